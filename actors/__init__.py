@@ -1,0 +1,1 @@
+"""kvroute's metrics data plane: frames → KvMetrics → per-worker actor → singleton aggregator."""

@@ -1,0 +1,106 @@
+"""Typed messages and settings of the metrics plane: KvMetrics, thresholds, worker states."""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# SGLang's eight KvMetrics field names, in the order of the msgpack tagged array (0.5.16+).
+KV_METRICS_FIELDS: tuple[str, ...] = (
+    "request_active_slots",
+    "request_total_slots",
+    "kv_active_blocks",
+    "kv_total_blocks",
+    "num_requests_waiting",
+    "gpu_cache_usage_perc",
+    "gpu_prefix_cache_hit_rate",
+    "data_parallel_rank",
+)
+
+Count = Annotated[int, Field(ge=0, strict=True)]
+Fraction = Annotated[float, Field(ge=0.0, le=1.0, strict=True, allow_inf_nan=False)]
+
+
+class KvMetrics(BaseModel):
+    """One scheduler report, exactly SGLang's fields. `kv_*_blocks` are in **tokens** on the wire."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    request_active_slots: Count
+    request_total_slots: Count
+    kv_active_blocks: Count
+    kv_total_blocks: Count
+    num_requests_waiting: Count
+    gpu_cache_usage_perc: Fraction
+    gpu_prefix_cache_hit_rate: Fraction
+    data_parallel_rank: Count = 0
+
+
+def tokens_to_blocks(tokens: int, page_size: int) -> int:
+    """Token count → pages of `page_size` (ceil), as the engine allocates them."""
+    return -(-tokens // page_size)
+
+
+class WorkerState(str, enum.Enum):
+    """Routing state of a worker, derived by the aggregator (see `derive_state`)."""
+
+    LIVE = "live"  # healthy and its metrics are fresh
+    IDLE = "idle"  # healthy, silent for `idle_after_s`: its last report is not load any more
+    DOWN = "down"  # heartbeat lost or health failing: never routed to
+
+
+class Settings(BaseModel):
+    """Every threshold and interval of kvroute in one place (one source of truth per number)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # worker actor
+    push_interval_s: float = Field(0.010, gt=0, description="min gap between metric pushes")
+    heartbeat_s: float = Field(0.5, gt=0, description="liveness push period")
+    health_interval_s: float = Field(1.0, gt=0, description="HTTP /health probe period")
+    health_timeout_s: float = Field(1.0, gt=0, description="HTTP /health probe timeout")
+    health_timeouts_before_down: int = Field(
+        2, ge=1, description="consecutive probe timeouts before unhealthy (refused = at once)"
+    )
+    max_frame_bytes: int = Field(64 * 1024, gt=0, description="larger frames are refused unparsed")
+    max_pending_pushes: int = Field(2, ge=1, description="unanswered pushes before coalescing")
+    # aggregator
+    idle_after_s: float = Field(3.0, gt=0, description="silence after which a healthy worker is idle")
+    down_after_s: float = Field(2.0, gt=0, description="heartbeat age after which a worker is down")
+    state_tick_s: float = Field(0.1, gt=0, description="how often time-driven states are re-derived")
+    # router
+    snapshot_poll_timeout_s: float = Field(5.0, gt=0, description="long-poll wait per call")
+    reconnect_backoff_s: float = Field(0.1, gt=0, description="first retry delay to the aggregator")
+    reconnect_backoff_max_s: float = Field(2.0, gt=0, description="cap of that delay")
+
+
+def derive_state(
+    *, healthy: bool, heartbeat_age_s: float, metrics_age_s: float | None, settings: Settings
+) -> WorkerState:
+    """State from liveness facts. Metric age never makes a worker down: SGLang is silent when idle."""
+    if not healthy or heartbeat_age_s > settings.down_after_s:
+        return WorkerState.DOWN
+    if metrics_age_s is None or metrics_age_s > settings.idle_after_s:
+        return WorkerState.IDLE
+    return WorkerState.LIVE
+
+
+def sum_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Whole-worker metrics from its DP ranks: counts add up, fractions are token-weighted."""
+    if not ranks:
+        return None
+    if len(ranks) == 1:
+        return dict(ranks[0])
+    out: dict[str, Any] = {f: sum(r[f] for r in ranks) for f in KV_METRICS_FIELDS[:5]}
+    total = out["kv_total_blocks"]
+    for f in ("gpu_cache_usage_perc", "gpu_prefix_cache_hit_rate"):
+        if total:
+            out[f] = sum(r[f] * r["kv_total_blocks"] for r in ranks) / total
+        else:
+            out[f] = sum(r[f] for r in ranks) / len(ranks)
+        out[f] = min(1.0, max(0.0, out[f])) if math.isfinite(out[f]) else 0.0
+    out["data_parallel_rank"] = 0
+    return out

@@ -1,0 +1,164 @@
+"""Frames from an SGLang scheduler's metrics socket → validated `KvMetrics`, executing nothing.
+
+SGLang sends `KvMetrics` either pickled (every release; from 0.5.16 via `sock_send`, still pickle by
+default) or, with `SGLANG_USE_PICKLE_IPC=0`, as a msgspec msgpack tagged array. The pickled class
+lives under a different module path per release and is a plain class, a dataclass or a
+`msgspec.Struct`. We accept exactly those shapes and nothing else: pickles are read by an
+allow-list unpickler whose globals resolve to inert stand-ins, so no frame can call anything.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import msgspec
+from pydantic import ValidationError
+
+from actors.models import KV_METRICS_FIELDS, KvMetrics
+
+DEFAULT_MAX_FRAME_BYTES = 64 * 1024
+
+# Where each SGLang release defines KvMetrics (the pickle carries this path).
+KV_METRICS_MODULES: tuple[str, ...] = (
+    "sglang.srt.managers.scheduler",  # 0.4.9
+    "sglang.srt.managers.scheduler_metrics_mixin",  # 0.4.10 – 0.5.8
+    "sglang.srt.observability.scheduler_metrics_mixin",  # 0.5.10 – 0.5.12
+    "sglang.srt.managers.scheduler_components.kv_events_publisher",  # 0.5.14 – 0.5.23
+)
+_MSGSPEC_REBUILD = ("msgspec._utils", "rebuild")
+
+_PICKLE_PROTO = 0x80  # protocol ≥ 2 pickles start with PROTO; SGLang sends 4 or 5
+_MSGPACK_ARRAY_9 = 0x99  # fixarray of 9 elements: ["KvMetrics", 8 fields]
+
+
+class WireError(ValueError):
+    """A frame was refused. `reason` is a short machine-readable tag for counters."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class _KvMetricsStandIn:
+    """What an allow-listed `KvMetrics` global resolves to: holds attributes, runs no code of theirs."""
+
+    __slots__ = ("fields",)
+
+    def __init__(self) -> None:
+        self.fields: dict[str, Any] = {}
+
+    def __setstate__(self, state: Any) -> None:
+        # plain class / dataclass: a dict; slotted dataclass: (dict | None, dict | None)
+        if isinstance(state, tuple) and len(state) == 2:
+            merged: dict[str, Any] = {}
+            for part in state:
+                if part is not None and not isinstance(part, dict):
+                    raise WireError("bad_pickle", "object state is not a mapping")
+                merged.update(part or {})
+            state = merged
+        if not isinstance(state, dict):
+            raise WireError("bad_pickle", "object state is not a mapping")
+        self.fields = state
+
+
+def _rebuild_struct(cls: Any, state: Any) -> _KvMetricsStandIn:
+    """Stand-in for `msgspec._utils.rebuild(cls, state)` (how pickled Structs are rebuilt)."""
+    if cls is not _KvMetricsStandIn:
+        raise WireError("forbidden_global", "msgspec rebuild of a class other than KvMetrics")
+    obj = _KvMetricsStandIn()
+    obj.__setstate__(state)
+    return obj
+
+
+class _AllowListUnpickler(pickle.Unpickler):
+    """Resolves only SGLang's KvMetrics and msgspec's rebuild helper, both to inert stand-ins."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name == "KvMetrics" and module in KV_METRICS_MODULES:
+            return _KvMetricsStandIn
+        if (module, name) == _MSGSPEC_REBUILD:
+            return _rebuild_struct
+        raise WireError("forbidden_global", f"pickle refers to {module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise WireError("forbidden_global", "pickle uses persistent ids")
+
+
+class _WireKvMetrics(msgspec.Struct, tag="KvMetrics", array_like=True, forbid_unknown_fields=True):
+    """The msgpack shape of 0.5.16+ with SGLANG_USE_PICKLE_IPC=0 (types checked by pydantic)."""
+
+    request_active_slots: Any
+    request_total_slots: Any
+    kv_active_blocks: Any
+    kv_total_blocks: Any
+    num_requests_waiting: Any
+    gpu_cache_usage_perc: Any
+    gpu_prefix_cache_hit_rate: Any
+    data_parallel_rank: Any = 0
+
+
+_msgpack_decoder = msgspec.msgpack.Decoder(_WireKvMetrics)
+
+
+def _fields_from_pickle(frame: bytes) -> dict[str, Any]:
+    try:
+        obj = _AllowListUnpickler(io.BytesIO(frame)).load()
+    except WireError:
+        raise
+    except RecursionError as exc:
+        raise WireError("bad_pickle", "nesting too deep") from exc
+    except Exception as exc:  # any malformed pickle: truncated, bad opcode, wrong arity …
+        raise WireError("bad_pickle", f"{type(exc).__name__}: {exc}"[:200]) from exc
+    if not isinstance(obj, _KvMetricsStandIn):
+        raise WireError("not_kv_metrics", f"pickle holds {type(obj).__name__}, not KvMetrics")
+    return obj.fields
+
+
+def _fields_from_msgpack(frame: bytes) -> dict[str, Any]:
+    try:
+        wire = _msgpack_decoder.decode(frame)
+    except msgspec.DecodeError as exc:
+        raise WireError("bad_msgpack", str(exc)[:200]) from exc
+    return {f: getattr(wire, f) for f in KV_METRICS_FIELDS}
+
+
+def decode_kv_metrics(frame: bytes, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> KvMetrics:
+    """Decode one frame as any SGLang release 0.4.9 … 0.5.23 sends it.
+
+    Raises `WireError` (a `ValueError`, with `.reason`) for oversized, malformed, foreign or
+    out-of-range frames. Never calls code named by the frame.
+    """
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise WireError("bad_type", f"frame is {type(frame).__name__}, not bytes")
+    size = len(frame)
+    if size > max_bytes:
+        raise WireError("oversized", f"{size} bytes > limit {max_bytes}")
+    if size == 0:
+        raise WireError("empty", "zero-length frame")
+    first = frame[0]
+    if first == _PICKLE_PROTO:
+        fields = _fields_from_pickle(bytes(frame))
+    elif first == _MSGPACK_ARRAY_9 or first in (0xDC, 0xDD) or 0x90 <= first <= 0x9F:
+        fields = _fields_from_msgpack(bytes(frame))
+    else:
+        raise WireError("unknown_format", f"first byte 0x{first:02x} is neither pickle nor msgpack")
+    return _validate(fields)
+
+
+def _validate(fields: dict[str, Any]) -> KvMetrics:
+    # Old plain classes start every field as None; SGLang's 0.4.9 sender always fills all eight,
+    # but data_parallel_rank None means "no DP" wherever it appears.
+    if fields.get("data_parallel_rank", 0) is None:
+        fields = {**fields, "data_parallel_rank": 0}
+    unknown = set(fields) - set(KV_METRICS_FIELDS)
+    if unknown:
+        raise WireError("unknown_field", f"unexpected fields {sorted(map(repr, unknown))[:5]}")
+    try:
+        return KvMetrics.model_validate(fields)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "frame"
+        raise WireError("invalid_value", f"{where}: {err['msg']} (got {err.get('input')!r:.40})") from exc
