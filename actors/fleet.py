@@ -1,0 +1,163 @@
+"""The fleet file: which SGLang workers exist, where they listen, and (managed mode) how to launch them."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from actors.models import Settings
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_ENDPOINT = re.compile(r"^(ipc://.+|tcp://[^:/]+:\d{1,5})$")
+
+
+class FleetError(ValueError):
+    """A fleet file is unreadable or invalid; the message names the entry and field."""
+
+
+class WorkerSpec(BaseModel):
+    """One SGLang worker. Attach mode: `url` + `metrics_endpoint`. Managed mode: `engine` set."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    url: str | None = Field(None, description="HTTP base URL (managed mode: chosen if omitted)")
+    metrics_endpoint: str | None = Field(
+        None, description="ZMQ endpoint the worker actor BINDS a PULL on (SGLang connects)"
+    )
+    page_size: int = Field(1, ge=1, le=4096)
+    # managed mode
+    engine: Literal["sim", "sglang"] | None = None
+    model: str | None = None
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    kv_events_endpoint: str | None = None
+    replicas: int = Field(1, ge=1, le=1024, description="expand into name-0 … name-(n-1)")
+    num_gpus: float = Field(0, ge=0)
+    num_cpus: float = Field(0, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict)
+    node_id: str | None = Field(None, description="pin the worker's actor to this Ray node")
+
+    @field_validator("name")
+    @classmethod
+    def _name_ok(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError("must be 1-63 chars of letters, digits, '_', '.', '-'")
+        return v
+
+    @field_validator("url")
+    @classmethod
+    def _url_ok(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^https?://[^/\s]+(:\d+)?/?$", v):
+            raise ValueError("must be an http(s) base URL such as http://127.0.0.1:30001")
+        return v.rstrip("/") if v else v
+
+    @field_validator("metrics_endpoint", "kv_events_endpoint")
+    @classmethod
+    def _endpoint_ok(cls, v: str | None) -> str | None:
+        if v is not None and not _ENDPOINT.match(v):
+            raise ValueError("must be ipc://PATH or tcp://HOST:PORT")
+        if v is not None and v.startswith("tcp://") and v.split("//")[1].split(":")[0] in ("*", "0.0.0.0"):
+            raise ValueError("bind a specific address, not a wildcard (metrics frames are trusted input)")
+        return v
+
+    @model_validator(mode="after")
+    def _mode_complete(self) -> "WorkerSpec":
+        if self.engine is None:
+            missing = [f for f in ("url", "metrics_endpoint") if getattr(self, f) is None]
+            if missing:
+                raise ValueError(
+                    f"attach mode needs {' and '.join(missing)} (or set engine: sim|sglang to launch it)"
+                )
+            if self.replicas != 1:
+                raise ValueError("replicas needs managed mode (engine: sim|sglang)")
+        if self.engine == "sglang" and not self.model:
+            raise ValueError("engine: sglang needs model (a model path or name)")
+        return self
+
+    @property
+    def managed(self) -> bool:
+        return self.engine is not None
+
+
+class FleetSpec(BaseModel):
+    """The whole fleet file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    workers: list[WorkerSpec] = Field(min_length=1)
+    settings: Settings = Field(default_factory=Settings)
+
+    @model_validator(mode="after")
+    def _unique(self) -> "FleetSpec":
+        seen: dict[str, int] = {}
+        for i, w in enumerate(self.expanded()):
+            if w.name in seen:
+                raise ValueError(f"workers: name {w.name!r} is used twice")
+            seen[w.name] = i
+        endpoints = [w.metrics_endpoint for w in self.workers if w.metrics_endpoint]
+        dup = {e for e in endpoints if endpoints.count(e) > 1}
+        if dup:
+            raise ValueError(f"workers: metrics_endpoint {sorted(dup)[0]} is used twice")
+        return self
+
+    def expanded(self) -> list[WorkerSpec]:
+        """Workers with `replicas: n` turned into n entries named `name-0` … `name-(n-1)`."""
+        out: list[WorkerSpec] = []
+        for w in self.workers:
+            if w.replicas == 1:
+                out.append(w)
+                continue
+            for i in range(w.replicas):
+                out.append(w.model_copy(update={"name": f"{w.name}-{i}", "replicas": 1}))
+        return out
+
+
+def _describe(err: dict[str, Any], raw: Any) -> str:
+    loc = list(err["loc"])
+    parts: list[str] = []
+    node = raw
+    for i, p in enumerate(loc):
+        if isinstance(p, int) and parts:
+            name = None
+            try:
+                name = node[p].get("name") if isinstance(node[p], dict) else None
+            except (IndexError, KeyError, TypeError):
+                pass
+            parts[-1] += f"[{p}]" + (f" (name {name!r})" if name else "")
+        else:
+            parts.append(str(p))
+        try:
+            node = node[p]
+        except (IndexError, KeyError, TypeError):
+            node = None
+    where = ".".join(parts) or "file"
+    return f"{where}: {err['msg']}"
+
+
+def parse_fleet(raw: Any, source: str = "fleet") -> FleetSpec:
+    """Validate an already-loaded fleet mapping. Raises FleetError naming entry and field."""
+    if not isinstance(raw, dict):
+        raise FleetError(f"{source}: top level must be a mapping with a 'workers' list")
+    try:
+        return FleetSpec.model_validate(raw)
+    except ValidationError as exc:
+        lines = [_describe(e, raw) for e in exc.errors()]
+        raise FleetError(f"{source}: invalid fleet file:\n  " + "\n  ".join(lines)) from None
+
+
+def load_fleet(path: str | Path) -> FleetSpec:
+    """Read and validate a fleet YAML file. Raises FleetError with file, entry and field."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise FleetError(f"{p}: cannot read fleet file: {exc.strerror}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise FleetError(f"{p}: not valid YAML: {exc}") from None
+    return parse_fleet(raw, str(p))

@@ -1,0 +1,70 @@
+"""Router settings and the Serve app builder's arguments (validated; unknown keys are errors)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from actors.fleet import FleetSpec, load_fleet, parse_fleet
+
+API_KEY_ENV = "KVROUTE_API_KEY"
+ADMIN_KEY_ENV = "KVROUTE_ADMIN_KEY"
+
+
+class RouterConfig(BaseModel):
+    """How one router deployment behaves."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: str = Field("least_loaded", description="default policy; x-kvroute-policy overrides")
+    api_key: str | None = Field(None, description=f"Bearer key for every route but /healthz (env {API_KEY_ENV})")
+    admin_key: str | None = Field(None, description=f"Bearer key for fleet changes (env {ADMIN_KEY_ENV})")
+    max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="request bodies above are refused (413)")
+    block_size: int = Field(16, ge=1, description="prefix-index block size in tokens")
+    upstream_connect_timeout_s: float = Field(2.0, gt=0)
+    upstream_read_timeout_s: float = Field(600.0, gt=0, description="per-chunk read timeout upstream")
+    max_attempts: int = Field(3, ge=1, description="tries on different workers before the first byte")
+    max_ongoing_requests: int = Field(1024, ge=1, description="per router replica (Serve's default is 5)")
+    num_replicas: int | str = Field(1, description="router replicas, or 'auto'")
+    seed: int | None = None
+
+    @field_validator("api_key", "admin_key")
+    @classmethod
+    def _nonempty(cls, v: str | None) -> str | None:
+        if v is not None and len(v) < 8:
+            raise ValueError("keys must be at least 8 characters")
+        return v
+
+    def with_env(self) -> "RouterConfig":
+        """Fill keys from the environment when not given explicitly."""
+        upd: dict[str, Any] = {}
+        if self.api_key is None and os.environ.get(API_KEY_ENV):
+            upd["api_key"] = os.environ[API_KEY_ENV]
+        if self.admin_key is None and os.environ.get(ADMIN_KEY_ENV):
+            upd["admin_key"] = os.environ[ADMIN_KEY_ENV]
+        return self.model_validate({**self.model_dump(), **upd}) if upd else self
+
+
+class AppArgs(BaseModel):
+    """Arguments of `serve_app.app:build_app` (from `serve deploy` YAML `args:` or the CLI)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    fleet: str | FleetSpec | None = Field(
+        None, description="fleet file path or inline fleet mapping; None = workers added at run time"
+    )
+    router: RouterConfig = Field(default_factory=RouterConfig)
+
+    def fleet_spec(self) -> FleetSpec | None:
+        if self.fleet is None or isinstance(self.fleet, FleetSpec):
+            return self.fleet
+        return load_fleet(self.fleet)
+
+    @field_validator("fleet", mode="before")
+    @classmethod
+    def _fleet(cls, v: Any) -> Any:
+        if isinstance(v, dict):
+            return parse_fleet(v, "args.fleet")
+        return v
