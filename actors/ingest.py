@@ -1,0 +1,87 @@
+"""Per-worker ingest: frames → validated KvMetrics → latest value per DP rank, with counters.
+
+Pure logic (no Ray, no sockets): the worker actor feeds it frames and reads `pending_report()`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from actors.models import KvMetrics, tokens_to_blocks
+from actors.wire import WireError, decode_kv_metrics
+
+
+@dataclass(slots=True)
+class _Latest:
+    metrics: KvMetrics
+    received_at: float
+    seq: int
+
+
+@dataclass(slots=True)
+class IngestStats:
+    frames_received: int = 0
+    frames_accepted: int = 0
+    refused: Counter = field(default_factory=Counter)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "frames_received": self.frames_received,
+            "frames_accepted": self.frames_accepted,
+            "frames_refused": sum(self.refused.values()),
+            "refused_by_reason": dict(self.refused),
+        }
+
+
+class MetricsBook:
+    """Latest KvMetrics per `data_parallel_rank`; `dirty` until the next report is taken."""
+
+    def __init__(self, max_frame_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_frame_bytes = max_frame_bytes
+        self.clock = clock
+        self.stats = IngestStats()
+        self._latest: dict[int, _Latest] = {}
+        self._seq = 0
+        self.dirty = False
+        self.last_error: str | None = None
+
+    def ingest(self, frame: bytes) -> KvMetrics | None:
+        """Decode one frame; keep it if valid. Returns the metrics, or None if refused."""
+        self.stats.frames_received += 1
+        try:
+            m = decode_kv_metrics(frame, max_bytes=self.max_frame_bytes)
+        except WireError as exc:
+            self.refuse(exc.reason, str(exc))
+            return None
+        self.accept(m)
+        return m
+
+    def accept(self, m: KvMetrics) -> None:
+        self.stats.frames_accepted += 1
+        self._seq += 1
+        self._latest[m.data_parallel_rank] = _Latest(m, self.clock(), self._seq)
+        self.dirty = True
+
+    def refuse(self, reason: str, detail: str) -> None:
+        self.stats.refused[reason] += 1
+        self.last_error = detail[:300]
+
+    def ranks_report(self, page_size: int = 1) -> dict[int, dict[str, Any]]:
+        """Every rank's latest values, KV counts converted from SGLang's tokens to blocks of
+        `page_size`, with their age now and a change sequence number."""
+        now = self.clock()
+        out: dict[int, dict[str, Any]] = {}
+        for rank, l in self._latest.items():
+            d = l.metrics.model_dump()
+            d["kv_active_blocks"] = tokens_to_blocks(d["kv_active_blocks"], page_size)
+            d["kv_total_blocks"] = tokens_to_blocks(d["kv_total_blocks"], page_size)
+            d["age_s"] = now - l.received_at
+            d["seq"] = l.seq
+            out[rank] = d
+        return out
+
+    def latest(self) -> dict[int, KvMetrics]:
+        return {rank: l.metrics for rank, l in self._latest.items()}

@@ -1,0 +1,354 @@
+"""One async Ray actor per SGLang worker: binds the scheduler's metrics PULL, probes liveness,
+and pushes coalesced reports to the aggregator without ever blocking its receive loop."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import socket
+import time
+import uuid
+from typing import Any
+
+import httpx
+import ray
+import zmq
+import zmq.asyncio
+from ray.exceptions import RayActorError, RaySystemError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from actors.aggregator import get_or_create_aggregator
+from actors.fleet import WorkerSpec
+from actors.ingest import MetricsBook
+from actors.models import Settings
+
+logger = logging.getLogger("kvroute.worker")
+
+_DRAIN_BATCH = 4096  # frames handled per wake-up before yielding to other tasks
+_HARD_MSG_LIMIT_FACTOR = 16  # ZMQ drops peers sending above this × max_frame_bytes (memory bound)
+
+try:  # Ray ≥ 2.x distinguishes temporary unavailability; older names fall back to RayActorError
+    from ray.exceptions import ActorUnavailableError
+except ImportError:  # pragma: no cover
+    ActorUnavailableError = RayActorError  # type: ignore[misc,assignment]
+
+
+class EndpointError(RuntimeError):
+    """The worker's metrics endpoint cannot be bound (busy, bad path, no permission)."""
+
+
+def _ipc_path(endpoint: str) -> str | None:
+    return endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None
+
+
+def _ipc_in_use(path: str) -> bool:
+    """True if a live process listens on this ipc path (a stale file is not 'in use')."""
+    if not os.path.exists(path):
+        return False
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.settimeout(0.2)
+        s.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def bind_pull(ctx: zmq.asyncio.Context, name: str, endpoint: str, max_frame_bytes: int) -> zmq.asyncio.Socket:
+    """Bind a PULL socket like the seed's loop; clear errors naming worker and endpoint."""
+    path = _ipc_path(endpoint)
+    if path is not None:
+        if _ipc_in_use(path):
+            raise EndpointError(
+                f"worker {name}: metrics endpoint {endpoint} is busy (another process is bound to it); "
+                "choose another path or stop that process"
+            )
+        parent = os.path.dirname(path) or "."
+        if not os.path.isdir(parent):
+            raise EndpointError(f"worker {name}: metrics endpoint {endpoint}: directory {parent} does not exist")
+        if os.path.exists(path):
+            os.unlink(path)  # stale file from a dead process
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 10_000)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes * _HARD_MSG_LIMIT_FACTOR)
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as exc:
+        sock.close(linger=0)
+        hint = " (address in use)" if exc.errno == errno.EADDRINUSE else ""
+        raise EndpointError(f"worker {name}: cannot bind metrics endpoint {endpoint}: {exc}{hint}") from None
+    return sock
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
+class WorkerActor:
+    """Metrics, liveness and (managed mode) the process of one SGLang worker."""
+
+    def __init__(self, spec: dict[str, Any], settings: dict[str, Any] | None = None) -> None:
+        self.spec = WorkerSpec.model_validate(spec)
+        self.settings = Settings.model_validate(settings or {})
+        self.name = self.spec.name
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.book = MetricsBook(self.settings.max_frame_bytes)
+        self.url = self.spec.url
+        self.endpoint = self.spec.metrics_endpoint
+        self.healthy = False
+        self.health_detail = "not probed yet"
+        self._health_timeouts = 0
+        self._stopping = False
+        self._wake = asyncio.Event()
+        self._slot = asyncio.Event()
+        self._pending = 0
+        self._agg: Any = None
+        self._agg_retry_at = 0.0
+        self._agg_backoff = self.settings.reconnect_backoff_s
+        self._agg_epoch: str | None = None
+        self.pushes = 0
+        self.push_failures = 0
+        self.coalesced = 0
+        self.last_push_latency_ms: float | None = None
+        self._ctx = zmq.asyncio.Context()
+        self._sock = bind_pull(self._ctx, self.name, self.endpoint, self.settings.max_frame_bytes)
+        self._http = httpx.AsyncClient(timeout=self.settings.health_timeout_s)
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._recv_loop()),
+            loop.create_task(self._push_loop()),
+            loop.create_task(self._health_loop()),
+        ]
+        logger.info("worker %s: PULL bound on %s, probing %s/health", self.name, self.endpoint, self.url)
+
+    # --- public methods -----------------------------------------------------------------------
+
+    async def ready(self) -> dict[str, Any]:
+        return {"name": self.name, "url": self.url, "metrics_endpoint": self.endpoint, "node_id": _node_id()}
+
+    async def stats(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            **self.book.stats.as_dict(),
+            "pushes": self.pushes,
+            "push_failures": self.push_failures,
+            "pushes_coalesced": self.coalesced,
+            "pending_pushes": self._pending,
+            "last_push_latency_ms": self.last_push_latency_ms,
+            "healthy": self.healthy,
+            "health_detail": self.health_detail,
+            "aggregator_epoch": self._agg_epoch,
+            "last_refusal": self.book.last_error,
+            "latest": {r: m.model_dump() for r, m in self.book.latest().items()},
+        }
+
+    async def stop(self, deregister: bool = True) -> None:
+        """Close the socket (linger 0), stop the loops, optionally leave the registry. ≤ 1 s."""
+        if self._stopping:
+            return
+        self._stopping = True
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._sock.close(linger=0)
+        path = _ipc_path(self.endpoint or "")
+        if path and os.path.exists(path):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        if deregister and self._agg is not None:
+            try:
+                await asyncio.wait_for(self._agg.remove.remote(self.name), timeout=0.5)
+            except Exception:  # best effort: the aggregator may be gone already
+                pass
+        await self._http.aclose()
+        self._ctx.term()
+        logger.info("worker %s: stopped", self.name)
+
+    # --- receive ------------------------------------------------------------------------------
+
+    async def _recv_loop(self) -> None:
+        sock = self._sock
+        raw = zmq.Socket.shadow(sock.underlying)  # sync view of the same socket for cheap drains
+        while True:
+            try:
+                await sock.poll(flags=zmq.POLLIN)
+                for _ in range(_DRAIN_BATCH):
+                    try:
+                        frame = raw.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if raw.getsockopt(zmq.RCVMORE):  # SGLang never sends multipart
+                        while raw.getsockopt(zmq.RCVMORE):
+                            raw.recv(zmq.NOBLOCK)
+                        self.book.stats.frames_received += 1
+                        self.book.refuse("multipart", "multipart message")
+                        continue
+                    if self.book.ingest(frame) is not None:
+                        self._wake.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a receive loop must never die
+                logger.exception("worker %s: receive loop error", self.name)
+                await asyncio.sleep(0.01)
+
+    # --- push ---------------------------------------------------------------------------------
+
+    def _batch(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "url": self.url,
+            "page_size": self.spec.page_size,
+            "incarnation": self.incarnation,
+            "healthy": self.healthy,
+            "health_detail": self.health_detail,
+            "extra": self._extra(),
+            "ranks": self.book.ranks_report(self.spec.page_size),
+        }
+
+    def _extra(self) -> dict[str, Any]:
+        return {}
+
+    async def _push_loop(self) -> None:
+        s = self.settings
+        last = 0.0
+        while True:
+            try:
+                wait = s.heartbeat_s - (time.monotonic() - last)
+                if wait > 0 and not self._wake.is_set():
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), timeout=wait)
+                    except asyncio.TimeoutError:
+                        pass
+                gap = s.push_interval_s - (time.monotonic() - last)
+                if gap > 0:
+                    await asyncio.sleep(gap)
+                if self._pending >= s.max_pending_pushes:
+                    # the aggregator is slow: keep only the newest state, send it when a slot frees
+                    self.coalesced += 1
+                    self._slot.clear()
+                    try:
+                        await asyncio.wait_for(self._slot.wait(), timeout=s.heartbeat_s)
+                    except asyncio.TimeoutError:
+                        pass
+                    continue
+                self._wake.clear()
+                if await self._send(self._batch()):
+                    last = time.monotonic()
+                else:
+                    await asyncio.sleep(min(self._agg_backoff, s.heartbeat_s))
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("worker %s: push loop error", self.name)
+                await asyncio.sleep(s.push_interval_s)
+
+    async def _aggregator(self) -> Any:
+        if self._agg is not None:
+            return self._agg
+        now = time.monotonic()
+        if now < self._agg_retry_at:
+            return None
+        try:
+            self._agg = await asyncio.to_thread(get_or_create_aggregator, self.settings)
+            self._agg_backoff = self.settings.reconnect_backoff_s
+        except Exception as exc:
+            self._agg_retry_at = now + self._agg_backoff
+            self._agg_backoff = min(self._agg_backoff * 2, self.settings.reconnect_backoff_max_s)
+            logger.warning("worker %s: aggregator unreachable (%s); retrying", self.name, exc)
+        return self._agg
+
+    async def _send(self, batch: dict[str, Any]) -> bool:
+        agg = await self._aggregator()
+        if agg is None:
+            return False
+        ref = agg.report.remote(batch)
+        self._pending += 1
+        self.pushes += 1
+        asyncio.get_running_loop().create_task(self._settle(agg, ref, time.perf_counter()))
+        return True
+
+    async def _settle(self, agg: Any, ref: Any, t0: float) -> None:
+        try:
+            epoch = await ref
+            self.last_push_latency_ms = (time.perf_counter() - t0) * 1000
+            if self._agg_epoch is not None and epoch != self._agg_epoch:
+                logger.info("worker %s: aggregator restarted (epoch %s); re-registered", self.name, epoch)
+            self._agg_epoch = epoch
+        except (RayActorError, ActorUnavailableError, RaySystemError) as exc:
+            self.push_failures += 1
+            self._wake.set()  # resend the newest state once it is reachable again
+            if self._agg is agg:
+                self._agg = None
+                self._agg_retry_at = time.monotonic() + self._agg_backoff
+                self._agg_backoff = min(self._agg_backoff * 2, self.settings.reconnect_backoff_max_s)
+            logger.warning("worker %s: push failed (%s); re-resolving aggregator", self.name, type(exc).__name__)
+        except Exception:
+            self.push_failures += 1
+            logger.exception("worker %s: push failed", self.name)
+        finally:
+            self._pending -= 1
+            self._slot.set()
+
+    # --- liveness -----------------------------------------------------------------------------
+
+    def _set_health(self, healthy: bool, detail: str) -> None:
+        if healthy != self.healthy:
+            logger.info("worker %s: %s (%s)", self.name, "healthy" if healthy else "UNHEALTHY", detail)
+            self._wake.set()  # liveness changes are pushed at once, not at the next heartbeat
+        self.healthy, self.health_detail = healthy, detail
+
+    async def _probe(self) -> None:
+        if not self.url:
+            self._set_health(False, "no url yet")
+            return
+        try:
+            r = await self._http.get(f"{self.url}/health")
+        except httpx.TimeoutException:
+            self._health_timeouts += 1
+            if self._health_timeouts >= self.settings.health_timeouts_before_down:
+                self._set_health(False, f"/health timed out {self._health_timeouts}x")
+            return
+        except httpx.HTTPError as exc:
+            self._health_timeouts = 0
+            self._set_health(False, f"/health unreachable: {type(exc).__name__}")
+            return
+        self._health_timeouts = 0
+        if r.status_code == 200:
+            self._set_health(True, "ok")
+        else:
+            self._set_health(False, f"/health returned {r.status_code}")
+
+    async def _health_loop(self) -> None:
+        while True:
+            try:
+                await self._probe()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("worker %s: health probe error", self.name)
+            await asyncio.sleep(self.settings.health_interval_s)
+
+
+def _node_id() -> str | None:
+    try:
+        return ray.get_runtime_context().get_node_id()
+    except Exception:
+        return None
+
+
+def start_worker_actor(spec: WorkerSpec, settings: Settings, *, name_prefix: str = "kvroute-worker-") -> Any:
+    """Create the worker's actor (pinned to `spec.node_id` when known: ipc:// is node-local)."""
+    opts: dict[str, Any] = {
+        "name": f"{name_prefix}{spec.name}",
+        "namespace": "kvroute",
+        "num_gpus": spec.num_gpus,
+        "num_cpus": spec.num_cpus,
+        "resources": dict(spec.resources),
+    }
+    if spec.node_id:
+        opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(spec.node_id, soft=False)
+    return WorkerActor.options(**opts).remote(spec.model_dump(), settings.model_dump())

@@ -1,0 +1,302 @@
+"""The router as a Ray Serve deployment with a FastAPI ingress, and the app builder for `serve deploy`."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import random
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+
+from actors.aggregator import get_or_create_aggregator
+from actors.models import Settings
+from serve_app.config import AppArgs, RouterConfig
+from serve_app.follower import FleetFollower
+from serve_app.policies import NoWorkerAvailable, UnknownPolicy
+from serve_app.proxy import Upstream, UpstreamClient, UpstreamError, forward_headers, sse_error_event
+from serve_app.request_facts import RequestFactsError, extract_route_request
+from serve_app.router import RouterCore
+
+logger = logging.getLogger("kvroute.router")
+
+POLICY_HEADER = "x-kvroute-policy"
+WORKER_HEADER = "x-kvroute-worker"
+DEPLOYMENT_NAME = "KvRouter"
+APP_NAME = "kvroute"
+
+fastapi_app = FastAPI(title="kvroute", description="KV-cache-aware router for SGLang workers")
+
+
+def _error(status: int, message: str, *, code: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """OpenAI-shaped error body."""
+    return JSONResponse(
+        {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error", "code": code}},
+        status_code=status,
+        headers=headers,
+    )
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+@serve.deployment(name=DEPLOYMENT_NAME, max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
+@serve.ingress(fastapi_app)
+class KvRouter:
+    """One router replica. Requests read the local snapshot; nothing on the request path awaits an actor."""
+
+    def __init__(self, args: dict[str, Any]) -> None:
+        app_args = AppArgs.model_validate(args)
+        self.config: RouterConfig = app_args.router.with_env()
+        fleet = app_args.fleet_spec()
+        self.settings: Settings = fleet.settings if fleet else Settings()
+        try:
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:
+            self.replica_id = uuid.uuid4().hex[:8]
+        self.follower = FleetFollower(
+            self._resolve_aggregator,
+            poll_timeout_s=self.settings.snapshot_poll_timeout_s,
+            backoff_s=self.settings.reconnect_backoff_s,
+            backoff_max_s=self.settings.reconnect_backoff_max_s,
+        )
+        self.core = RouterCore(self.config, self.follower, self.replica_id)
+        self.upstream = UpstreamClient(self.config.upstream_connect_timeout_s, self.config.upstream_read_timeout_s)
+        self.follower.start()
+        self._share_task = asyncio.get_running_loop().create_task(self._share_in_flight())
+        logger.info("router replica %s up, policy %s", self.replica_id, self.config.policy)
+
+    async def _resolve_aggregator(self) -> Any:
+        return await asyncio.to_thread(get_or_create_aggregator, self.settings)
+
+    async def _share_in_flight(self) -> None:
+        """Batched, like the metrics: this replica's in-flight counts reach the other replicas."""
+        last: dict[str, int] | None = None
+        last_sent = 0.0
+        while True:
+            try:
+                await asyncio.sleep(self.settings.push_interval_s * 5)
+                counts = self.core.ledger.export()
+                now = time.monotonic()
+                if counts != last or now - last_sent > self.settings.heartbeat_s:
+                    agg = await self._resolve_aggregator()
+                    await agg.report_in_flight.remote(self.replica_id, counts)
+                    last, last_sent = counts, now
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # aggregator away: counts are resent when it is back
+                logger.debug("in-flight share failed: %s", exc)
+                await asyncio.sleep(self.settings.reconnect_backoff_max_s)
+
+    # --- guards -------------------------------------------------------------------------------
+
+    def _auth(self, request: Request) -> JSONResponse | None:
+        key = self.config.api_key
+        if not key:
+            return None
+        got = request.headers.get("authorization", "")
+        scheme, _, token = got.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            return _error(401, "missing or invalid API key (Authorization: Bearer <key>)", code="invalid_api_key")
+        return None
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise _BodyTooLarge()
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _BodyTooLarge()
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _json_body(self, request: Request) -> tuple[bytes, dict[str, Any]] | JSONResponse:
+        try:
+            raw = await self._read_body(request)
+        except _BodyTooLarge:
+            return _error(413, f"request body larger than {self.config.max_body_bytes} bytes", code="body_too_large")
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return _error(400, f"body is not valid JSON: {exc}", code="invalid_json")
+        if not isinstance(body, dict):
+            return _error(400, "body must be a JSON object", code="invalid_body")
+        return raw, body
+
+    # --- routes -------------------------------------------------------------------------------
+
+    @fastapi_app.get("/healthz")
+    async def healthz(self) -> JSONResponse:
+        h = self.core.healthz()
+        return JSONResponse(h, status_code=200 if h["status"] != "unavailable" else 503)
+
+    @fastapi_app.get("/workers")
+    async def workers(self, request: Request) -> JSONResponse:
+        if (denied := self._auth(request)) is not None:
+            return denied
+        return JSONResponse(self.core.workers_json())
+
+    @fastapi_app.post("/route")
+    async def route(self, request: Request) -> JSONResponse:
+        if (denied := self._auth(request)) is not None:
+            return denied
+        parsed = await self._json_body(request)
+        if isinstance(parsed, JSONResponse):
+            return parsed
+        _, body = parsed
+        try:
+            facts = extract_route_request(body, block_size=self.config.block_size)
+            d = self.core.decide(facts, request.headers.get(POLICY_HEADER))
+        except RequestFactsError as exc:
+            return _error(400, str(exc), code="invalid_body")
+        except UnknownPolicy as exc:
+            return _error(400, str(exc), code="unknown_policy")
+        except NoWorkerAvailable as exc:
+            return _error(503, str(exc), code="no_worker", headers={"retry-after": "1"})
+        return JSONResponse({"worker": d.worker, "url": d.url, "policy": d.policy, "reason": d.reason})
+
+    @fastapi_app.post("/v1/chat/completions")
+    async def chat(self, request: Request) -> Response:
+        return await self._proxy(request, "/v1/chat/completions")
+
+    @fastapi_app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._proxy(request, "/v1/completions")
+
+    @fastapi_app.post("/generate")
+    async def generate(self, request: Request) -> Response:
+        return await self._proxy(request, "/generate")
+
+    @fastapi_app.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        if (denied := self._auth(request)) is not None:
+            return denied
+        healthy = [r for r in self.follower.workers.values() if r.state != "down" and r.healthy]
+        random.shuffle(healthy)
+        for rec in healthy[: self.config.max_attempts]:
+            try:
+                up = await self.upstream.open(rec.name, "GET", f"{rec.url}/v1/models")
+            except UpstreamError:
+                continue
+            try:
+                content = await up.response.aread()
+            except httpx.HTTPError:
+                continue
+            finally:
+                await up.close()
+            return Response(content, status_code=up.status_code, media_type="application/json",
+                            headers={WORKER_HEADER: rec.name})
+        return _error(503, "no healthy worker to answer /v1/models", code="no_worker", headers={"retry-after": "1"})
+
+    # --- proxy --------------------------------------------------------------------------------
+
+    async def _proxy(self, request: Request, path: str) -> Response:
+        if (denied := self._auth(request)) is not None:
+            return denied
+        parsed = await self._json_body(request)
+        if isinstance(parsed, JSONResponse):
+            return parsed
+        raw, body = parsed
+        try:
+            facts = extract_route_request(body, block_size=self.config.block_size)
+            self.core.policy(request.headers.get(POLICY_HEADER))
+        except RequestFactsError as exc:
+            return _error(400, str(exc), code="invalid_body")
+        except UnknownPolicy as exc:
+            return _error(400, str(exc), code="unknown_policy")
+        stream = bool(body.get("stream"))
+        headers = forward_headers(request.headers)
+        tried: set[str] = set()
+        failures: list[str] = []
+        retry_after: str | None = None
+        for attempt in range(self.config.max_attempts):
+            try:
+                d = self.core.decide(facts, request.headers.get(POLICY_HEADER), exclude=tried)
+            except NoWorkerAvailable as exc:
+                if not failures:
+                    return _error(503, str(exc), code="no_worker", headers={"retry-after": "1"})
+                break
+            rid = uuid.uuid4().hex
+            ledger = self.core.ledger
+            ledger.on_routed(rid, d.worker, facts)
+            t0 = time.perf_counter()
+            try:
+                up = await self.upstream.open(d.worker, "POST", d.url + path, content=raw, headers=headers)
+            except UpstreamError as exc:
+                ledger.on_failed(rid)
+                tried.add(d.worker)
+                failures.append(str(exc))
+                retry_after = exc.retry_after or retry_after
+                logger.info("attempt %d on %s failed before first byte: %s", attempt + 1, d.worker, exc)
+                await asyncio.sleep(min(0.5, 0.02 * (2**attempt)) * random.uniform(0.5, 1.5))
+                continue
+            self.core.prefix.record(d.worker, facts.block_hashes)
+            out_headers = {**up.headers(), WORKER_HEADER: d.worker}
+            if not stream:
+                try:
+                    content = await up.response.aread()
+                except httpx.HTTPError as exc:  # died mid-body: nothing sent yet, so retry elsewhere
+                    ledger.on_failed(rid)
+                    tried.add(d.worker)
+                    failures.append(f"worker {d.worker}: {type(exc).__name__} while reading the body")
+                    continue
+                finally:
+                    await up.close()
+                ledger.on_finished(rid)
+                logger.debug("routed %s → %s (%s) in %.1f ms", path, d.worker, d.reason, (time.perf_counter() - t0) * 1e3)
+                return Response(content, status_code=up.status_code, headers=out_headers)
+            return StreamingResponse(
+                self._relay(up, rid),
+                status_code=up.status_code,
+                headers=out_headers,
+                media_type=up.response.headers.get("content-type", "text/event-stream"),
+            )
+        return _error(
+            503,
+            f"no worker could serve the request after {len(failures)} attempt(s): " + "; ".join(failures[-3:]),
+            code="upstream_unavailable",
+            headers={"retry-after": retry_after or "1"},
+        )
+
+    async def _relay(self, up: Upstream, rid: str) -> AsyncIterator[bytes]:
+        """Pass SSE chunks through as they arrive; a break after the start ends with an error event."""
+        ledger = self.core.ledger
+        first = True
+        ok = False
+        try:
+            async for chunk in up.chunks():
+                if first:
+                    ledger.on_first_token(rid)
+                    first = False
+                yield chunk
+            ok = True
+        except httpx.HTTPError as exc:
+            logger.warning("stream from %s broke after it started: %s", up.worker, type(exc).__name__)
+            yield sse_error_event(f"worker {up.worker} failed mid-stream ({type(exc).__name__})")
+        finally:
+            await up.close()
+            (ledger.on_finished if ok else ledger.on_failed)(rid)
+
+
+def build_app(args: dict[str, Any]) -> Any:
+    """App builder for `serve run` / `serve deploy` (`import_path: serve_app.app:build_app`)."""
+    app_args = AppArgs.model_validate(args)
+    cfg = app_args.router
+    opts: dict[str, Any] = {"max_ongoing_requests": cfg.max_ongoing_requests}
+    if cfg.num_replicas == "auto":
+        opts["num_replicas"] = "auto"
+    else:
+        opts["num_replicas"] = int(cfg.num_replicas)
+    return KvRouter.options(**opts).bind(app_args.model_dump(mode="json"))

@@ -1,0 +1,273 @@
+"""`kvroute` command line: demo (embedded default), serve (attach to / launch a fleet), status."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+from actors.fleet import FleetError, FleetSpec, load_fleet, parse_fleet
+from serve_app.config import RouterConfig
+
+log = logging.getLogger("kvroute.cli")
+
+DEFAULT_PORT = 8000
+
+
+class Stop(Exception):
+    pass
+
+
+def _explain(exc: BaseException) -> str:
+    """The user-facing line out of a Ray error (e.g. an actor whose __init__ raised)."""
+    text = str(exc)
+    for marker in ("EndpointError: ", "FleetError: ", "LaunchError: ", "ValueError: "):
+        if marker in text:
+            return text.rsplit(marker, 1)[1].strip().splitlines()[0]
+    return text.strip().splitlines()[-1] if text.strip() else type(exc).__name__
+
+
+class FleetRunner:
+    """Starts Ray (or joins one), the aggregator, one actor per worker and the router app; tears
+    all of it down again — worker actors, the detached aggregator, the Serve app."""
+
+    def __init__(self, fleet: FleetSpec, router: RouterConfig, *, host: str, port: int, address: str | None,
+                 progress=print) -> None:
+        self.fleet = fleet
+        self.router = router
+        self.host = host
+        self.port = port
+        self.address = address
+        self.progress = progress
+        self.actors: dict[str, Any] = {}
+        self._started_ray = False
+
+    def start(self) -> str:
+        import ray
+        from ray import serve
+
+        from actors.aggregator import get_or_create_aggregator
+        from actors.worker_actor import start_worker_actor
+        from serve_app.app import APP_NAME, build_app
+
+        if not self.address:  # a private local cluster: Ray 2.60's token auth only gets in the way
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        if not ray.is_initialized():
+            self.progress(f"starting Ray ({'joining ' + self.address if self.address else 'local'}) …")
+            ray.init(address=self.address, namespace="kvroute", include_dashboard=False,
+                     logging_level=logging.WARNING, log_to_driver=True)
+            self._started_ray = True
+        settings = self.fleet.settings
+        agg = get_or_create_aggregator(settings)
+        ray.get(agg.ping.remote(), timeout=60)
+        workers = self.fleet.expanded()
+        self.progress(f"starting {len(workers)} worker actor(s) …")
+        for spec in workers:
+            self.actors[spec.name] = start_worker_actor(spec, settings)
+        for name, actor in self.actors.items():
+            try:
+                info = ray.get(actor.ready.remote(), timeout=300)
+            except Exception as exc:
+                raise FleetError(_explain(exc)) from None
+            self.progress(f"  worker {name}: metrics on {info['metrics_endpoint']}, http {info['url']}")
+        self.progress("starting the router (Ray Serve) …")
+        serve.start(http_options={"host": self.host, "port": self.port})
+        args = {"fleet": self.fleet.model_dump(mode="json"), "router": self.router.model_dump(mode="json")}
+        serve.run(build_app(args), name=APP_NAME, route_prefix="/", blocking=False)
+        return f"http://{'127.0.0.1' if self.host in ('0.0.0.0', '::') else self.host}:{self.port}"
+
+    def stop(self) -> None:
+        import ray
+        from ray import serve
+
+        from actors.aggregator import kill_aggregator
+        from serve_app.app import APP_NAME
+
+        if not ray.is_initialized():
+            return
+        self.progress("stopping worker actors …")
+        refs = [a.stop.remote(deregister=False) for a in self.actors.values()]
+        try:
+            ray.get(refs, timeout=15)
+        except Exception as exc:
+            log.warning("some worker actors did not stop cleanly: %s", exc)
+        for a in self.actors.values():
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:
+                pass
+        self.progress("stopping the router …")
+        try:
+            serve.delete(APP_NAME)
+            serve.shutdown()
+        except Exception as exc:
+            log.warning("serve shutdown: %s", exc)
+        kill_aggregator()
+        if self._started_ray:
+            ray.shutdown()
+
+
+def _wait_for_interrupt(tick=None, period_s: float = 1.0) -> None:
+    stop = threading.Event()
+
+    def handler(signum, frame):  # noqa: ARG001
+        stop.set()
+
+    old_int = signal.signal(signal.SIGINT, handler)
+    old_term = signal.signal(signal.SIGTERM, handler)
+    try:
+        while not stop.is_set():
+            if tick is not None:
+                tick()
+            stop.wait(period_s)
+    finally:
+        signal.signal(signal.SIGINT, old_int)
+        signal.signal(signal.SIGTERM, old_term)
+
+
+def _router_config(ns: argparse.Namespace) -> RouterConfig:
+    cfg: dict[str, Any] = {}
+    if getattr(ns, "policy", None):
+        cfg["policy"] = ns.policy
+    if getattr(ns, "api_key", None):
+        cfg["api_key"] = ns.api_key
+    if getattr(ns, "max_body_bytes", None):
+        cfg["max_body_bytes"] = ns.max_body_bytes
+    return RouterConfig.model_validate(cfg).with_env()
+
+
+def _run(fleet: FleetSpec, ns: argparse.Namespace, *, live_table: bool) -> int:
+    try:
+        router = _router_config(ns)
+    except Exception as exc:
+        print(f"kvroute: invalid router option: {exc}", file=sys.stderr)
+        return 2
+    runner = FleetRunner(fleet, router, host=ns.host, port=ns.port, address=getattr(ns, "address", None))
+    try:
+        url = runner.start()
+    except (FleetError, ValueError) as exc:
+        print(f"kvroute: {exc}", file=sys.stderr)
+        runner.stop()
+        return 2
+    except KeyboardInterrupt:
+        runner.stop()
+        return 130
+    _print_banner(url, router)
+    tick = None
+    if live_table:
+        from serve_app.status import LiveTable
+
+        tick = LiveTable(url, api_key=router.api_key).tick
+    try:
+        _wait_for_interrupt(tick, period_s=1.0)
+    finally:
+        t0 = time.monotonic()
+        runner.stop()
+        print(f"kvroute: stopped in {time.monotonic() - t0:.1f} s")
+    return 0
+
+
+def _print_banner(url: str, router: RouterConfig) -> None:
+    auth = ' -H "Authorization: Bearer $KVROUTE_API_KEY"' if router.api_key else ""
+    print(f"\nkvroute is listening on {url}  (policy {router.policy}; Ctrl-C to stop)\n")
+    print("  curl:")
+    print(f"    curl -s {url}/v1/chat/completions{auth} -H 'content-type: application/json' \\")
+    print("      -d '{\"model\": \"default\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"max_tokens\": 16}'")
+    print("  openai SDK:")
+    print("    from openai import OpenAI")
+    key = "os.environ['KVROUTE_API_KEY']" if router.api_key else "'unused'"
+    print(f"    client = OpenAI(base_url='{url}/v1', api_key={key})")
+    print("    client.chat.completions.create(model='default', messages=[{'role': 'user', 'content': 'Hello'}])")
+    print(f"  workers: {url}/workers   health: {url}/healthz   status: kvroute status --url {url}\n", flush=True)
+
+
+def demo_fleet(n: int, *, tmpdir: str, base_port: int | None = None, wire: str = "0.5.23",
+               time_scale: float = 1.0) -> FleetSpec:
+    """N simulated SGLang workers, each launched by its actor, metrics on ipc:// in `tmpdir`."""
+    workers = []
+    for i in range(n):
+        w: dict[str, Any] = {
+            "name": f"sim-{i}",
+            "engine": "sim",
+            "page_size": 16,
+            "metrics_endpoint": f"ipc://{tmpdir}/sim-{i}.metrics",
+            "engine_args": {"wire": wire, "time_scale": time_scale},
+        }
+        if base_port:
+            w["url"] = f"http://127.0.0.1:{base_port + i}"
+        workers.append(w)
+    return parse_fleet({"workers": workers}, "demo")
+
+
+def cmd_demo(ns: argparse.Namespace) -> int:
+    if ns.workers < 1:
+        print("kvroute: --workers must be at least 1", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="kvroute-demo-") as tmp:
+        fleet = demo_fleet(ns.workers, tmpdir=tmp, wire=ns.wire, time_scale=ns.time_scale)
+        return _run(fleet, ns, live_table=not ns.no_table)
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    try:
+        fleet = load_fleet(ns.fleet)
+    except FleetError as exc:
+        print(f"kvroute: {exc}", file=sys.stderr)
+        return 2
+    return _run(fleet, ns, live_table=False)
+
+
+def cmd_status(ns: argparse.Namespace) -> int:
+    from serve_app.status import print_status
+
+    return print_status(ns.url, api_key=ns.api_key or os.environ.get("KVROUTE_API_KEY"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvroute", description="KV-cache-aware routing for SGLang workers on Ray")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def common(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--host", default="127.0.0.1", help="router HTTP host (default 127.0.0.1)")
+        sp.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"router HTTP port (default {DEFAULT_PORT})")
+        sp.add_argument("--policy", default=None, help="default routing policy")
+        sp.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (env KVROUTE_API_KEY)")
+        sp.add_argument("--max-body-bytes", type=int, default=None, help="refuse larger request bodies (413)")
+        sp.add_argument("-v", "--verbose", action="store_true")
+
+    d = sub.add_parser("demo", help="local Ray + N simulated SGLang workers + the router")
+    d.add_argument("--workers", type=int, default=3)
+    d.add_argument("--wire", default="0.5.23", help="KvMetrics wire form the simulated workers send")
+    d.add_argument("--time-scale", type=float, default=1.0, help="simulated engine time scale (<1 = faster)")
+    d.add_argument("--no-table", action="store_true", help="do not draw the live worker table")
+    common(d)
+    d.set_defaults(func=cmd_demo)
+
+    s = sub.add_parser("serve", help="attach to (or launch) the workers of a fleet file")
+    s.add_argument("--fleet", required=True, help="fleet YAML file")
+    s.add_argument("--address", default=None, help="Ray address to join (default: start a local Ray)")
+    common(s)
+    s.set_defaults(func=cmd_serve)
+
+    st = sub.add_parser("status", help="print the worker table once")
+    st.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}")
+    st.add_argument("--api-key", default=None)
+    st.set_defaults(func=cmd_status)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if getattr(ns, "verbose", False) else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return ns.func(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
