@@ -1,0 +1,151 @@
+"""actors.registry / actors.models: worker states, versions, deltas, DP ranks — without Ray."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.models import Settings, WorkerState, derive_state, sum_ranks, tokens_to_blocks
+from actors.registry import FleetRegistry
+
+S = Settings()
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def rank(seq, *, active=2, waiting=0, kv=100, total=1000, rank=0, age=0.0):
+    return {
+        "request_active_slots": active, "request_total_slots": 8, "kv_active_blocks": kv,
+        "kv_total_blocks": total, "num_requests_waiting": waiting, "gpu_cache_usage_perc": kv / total,
+        "gpu_prefix_cache_hit_rate": 0.0, "data_parallel_rank": rank, "age_s": age, "seq": seq,
+    }
+
+
+def batch(name="w1", *, healthy=True, ranks=None, inc="a"):
+    return {"name": name, "url": "http://127.0.0.1:1", "page_size": 16, "incarnation": inc,
+            "healthy": healthy, "health_detail": "ok", "extra": {}, "ranks": ranks or {}}
+
+
+def test_state_is_down_when_health_fails_or_heartbeat_is_old_and_never_from_metric_age():
+    assert derive_state(healthy=False, heartbeat_age_s=0, metrics_age_s=0, settings=S) is WorkerState.DOWN
+    assert derive_state(healthy=True, heartbeat_age_s=S.down_after_s + 0.1, metrics_age_s=0, settings=S) is WorkerState.DOWN
+    assert derive_state(healthy=True, heartbeat_age_s=0, metrics_age_s=10_000, settings=S) is WorkerState.IDLE
+    assert derive_state(healthy=True, heartbeat_age_s=0, metrics_age_s=None, settings=S) is WorkerState.IDLE
+    assert derive_state(healthy=True, heartbeat_age_s=0, metrics_age_s=0.1, settings=S) is WorkerState.LIVE
+
+
+def test_tokens_become_blocks_rounding_up():
+    assert tokens_to_blocks(0, 16) == 0
+    assert tokens_to_blocks(1, 16) == 1
+    assert tokens_to_blocks(32, 16) == 2
+    assert tokens_to_blocks(33, 16) == 3
+
+
+def test_registration_metrics_and_silence_walk_through_live_idle_down():
+    clock = Clock()
+    reg = FleetRegistry(S, clock=clock)
+    assert reg.report(batch())
+    assert reg.delta(0, None)["workers"][0]["state"] == "idle"  # healthy, never reported
+    assert reg.report(batch(ranks={0: rank(1)}))
+    assert reg.delta(0, None)["workers"][0]["state"] == "live"
+    clock.t += S.idle_after_s + 0.01
+    reg.report(batch(ranks={0: rank(1)}))  # heartbeat with the same (old) metrics
+    assert reg.delta(0, None)["workers"][0]["state"] == "idle"
+    clock.t += S.down_after_s + 0.01  # heartbeats stop
+    assert reg.tick()
+    assert reg.delta(0, None)["workers"][0]["state"] == "down"
+
+
+def test_unchanged_heartbeat_does_not_bump_the_version():
+    clock = Clock()
+    reg = FleetRegistry(S, clock=clock)
+    reg.report(batch(ranks={0: rank(1)}))
+    v = reg.version
+    clock.t += 0.1
+    assert not reg.report(batch(ranks={0: rank(1, age=0.1)}))
+    assert reg.version == v
+
+
+def test_delta_returns_only_changed_workers_and_all_names():
+    reg = FleetRegistry(S, clock=Clock())
+    reg.report(batch("a", ranks={0: rank(1)}))
+    reg.report(batch("b", ranks={0: rank(1)}))
+    v = reg.version
+    reg.report(batch("b", ranks={0: rank(2, active=5)}))
+    d = reg.delta(v, reg.epoch)
+    assert not d["full"]
+    assert [w["name"] for w in d["workers"]] == ["b"]
+    assert d["workers"][0]["metrics"]["request_active_slots"] == 5
+    assert sorted(d["names"]) == ["a", "b"]
+
+
+def test_a_foreign_epoch_gets_a_full_snapshot():
+    reg = FleetRegistry(S, clock=Clock())
+    reg.report(batch("a"))
+    d = reg.delta(reg.version, "some-old-epoch")
+    assert d["full"] and [w["name"] for w in d["workers"]] == ["a"]
+
+
+def test_health_failure_is_down_at_once():
+    reg = FleetRegistry(S, clock=Clock())
+    reg.report(batch(ranks={0: rank(1)}))
+    assert reg.report(batch(healthy=False, ranks={0: rank(1)}))
+    assert reg.delta(0, None)["workers"][0]["state"] == "down"
+
+
+def test_metrics_age_comes_from_the_actor_receive_time():
+    clock = Clock()
+    reg = FleetRegistry(S, clock=clock)
+    reg.report(batch(ranks={0: rank(1, age=0.25)}))
+    clock.t += 0.5
+    assert reg.delta(0, None)["workers"][0]["metrics_age_s"] == pytest.approx(0.75)
+
+
+def test_dp_ranks_are_kept_apart_and_summed():
+    reg = FleetRegistry(S, clock=Clock())
+    reg.report(batch(ranks={0: rank(1, active=1, kv=100, rank=0), 1: rank(2, active=3, kv=300, rank=1)}))
+    w = reg.delta(0, None)["workers"][0]
+    assert [r["data_parallel_rank"] for r in w["ranks"]] == [0, 1]
+    assert w["metrics"]["request_active_slots"] == 4
+    assert w["metrics"]["kv_active_blocks"] == 400
+    assert w["metrics"]["kv_total_blocks"] == 2000
+    assert w["metrics"]["gpu_cache_usage_perc"] == pytest.approx(0.2)
+
+
+def test_sum_of_no_ranks_is_none():
+    assert sum_ranks([]) is None
+
+
+def test_new_incarnation_replaces_stale_ranks():
+    reg = FleetRegistry(S, clock=Clock())
+    reg.report(batch(ranks={0: rank(5), 1: rank(6, rank=1)}, inc="old"))
+    reg.report(batch(ranks={0: rank(1)}, inc="new"))
+    assert len(reg.delta(0, None)["workers"][0]["ranks"]) == 1
+
+
+def test_removed_worker_disappears_from_names():
+    reg = FleetRegistry(S, clock=Clock())
+    reg.report(batch("a"))
+    v = reg.version
+    assert reg.remove("a")
+    d = reg.delta(v, reg.epoch)
+    assert d["names"] == [] and reg.version > v
+    assert not reg.remove("a")
+
+
+def test_router_in_flight_counts_are_shared_and_expire():
+    clock = Clock()
+    reg = FleetRegistry(S, clock=clock)
+    reg.report(batch("a"))
+    assert reg.report_in_flight("replica-1", {"a": 4})
+    assert reg.delta(0, None)["workers"][0]["in_flight_by_replica"] == {"replica-1": 4}
+    assert not reg.report_in_flight("replica-1", {"a": 4})
+    clock.t += S.down_after_s * 2 + 0.1
+    reg.report(batch("a"))
+    reg.tick()
+    assert reg.delta(0, None)["workers"][0]["in_flight_by_replica"] == {}
