@@ -22,6 +22,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from actors.aggregator import get_or_create_aggregator
 from actors.fleet import WorkerSpec
 from actors.ingest import MetricsBook
+from actors.launcher import LaunchError, ManagedProcess
 from actors.models import Settings
 
 logger = logging.getLogger("kvroute.worker")
@@ -96,7 +97,7 @@ class WorkerActor:
         self.incarnation = uuid.uuid4().hex[:12]
         self.book = MetricsBook(self.settings.max_frame_bytes)
         self.url = self.spec.url
-        self.endpoint = self.spec.metrics_endpoint
+        self.endpoint = self.spec.metrics_endpoint or _default_endpoint(self.name)
         self.healthy = False
         self.health_detail = "not probed yet"
         self._health_timeouts = 0
@@ -116,6 +117,14 @@ class WorkerActor:
         self._sock = bind_pull(self._ctx, self.name, self.endpoint, self.settings.max_frame_bytes)
         self._http = httpx.AsyncClient(timeout=self.settings.health_timeout_s)
         loop = asyncio.get_running_loop()
+        self.proc: ManagedProcess | None = None
+        self._launch: asyncio.Task | None = None
+        if self.spec.managed:
+            port = int(self.spec.url.rsplit(":", 1)[1]) if self.spec.url else None
+            self.proc = ManagedProcess(self.spec, metrics_endpoint=self.endpoint, port=port,
+                                       on_change=self._on_process_change)
+            self.url = self.proc.url
+            self._launch = loop.create_task(self._start_process())
         self._tasks = [
             loop.create_task(self._recv_loop()),
             loop.create_task(self._push_loop()),
@@ -126,7 +135,21 @@ class WorkerActor:
     # --- public methods -----------------------------------------------------------------------
 
     async def ready(self) -> dict[str, Any]:
-        return {"name": self.name, "url": self.url, "metrics_endpoint": self.endpoint, "node_id": _node_id()}
+        """Where the worker is; in managed mode only once its engine answers /health.
+        Raises LaunchError if the engine cannot be started or never becomes healthy."""
+        if self._launch is not None:
+            await asyncio.shield(self._launch)
+        return {"name": self.name, "url": self.url, "metrics_endpoint": self.endpoint, "node_id": _node_id(),
+                "managed": self.proc.status.as_dict() if self.proc else None}
+
+    async def _start_process(self) -> None:
+        assert self.proc is not None
+        await self.proc.start()
+        try:
+            await self.proc.wait_healthy()
+        except LaunchError:
+            await self.proc.stop()
+            raise
 
     async def stats(self) -> dict[str, Any]:
         return {
@@ -152,6 +175,8 @@ class WorkerActor:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.proc is not None:
+            await self.proc.stop()
         self._sock.close(linger=0)
         path = _ipc_path(self.endpoint or "")
         if path and os.path.exists(path):
@@ -210,7 +235,7 @@ class WorkerActor:
         }
 
     def _extra(self) -> dict[str, Any]:
-        return {}
+        return self.proc.status.as_dict() if self.proc else {}
 
     async def _push_loop(self) -> None:
         s = self.settings
@@ -295,6 +320,12 @@ class WorkerActor:
 
     # --- liveness -----------------------------------------------------------------------------
 
+    def _on_process_change(self) -> None:
+        # a dead engine is down now, not at the next probe
+        if self.proc is not None and not self.proc.alive:
+            self._set_health(False, f"engine process {self.proc.status.state}: {self.proc.status.detail}")
+        self._wake.set()
+
     def _set_health(self, healthy: bool, detail: str) -> None:
         if healthy != self.healthy:
             logger.info("worker %s: %s (%s)", self.name, "healthy" if healthy else "UNHEALTHY", detail)
@@ -302,6 +333,9 @@ class WorkerActor:
         self.healthy, self.health_detail = healthy, detail
 
     async def _probe(self) -> None:
+        if self.proc is not None and not self.proc.alive:
+            self._set_health(False, f"engine process {self.proc.status.state}")
+            return
         if not self.url:
             self._set_health(False, "no url yet")
             return
@@ -331,6 +365,13 @@ class WorkerActor:
             except Exception:
                 logger.exception("worker %s: health probe error", self.name)
             await asyncio.sleep(self.settings.health_interval_s)
+
+
+def _default_endpoint(name: str) -> str:
+    """Managed workers get a node-local ipc:// path chosen here (SGLang's own is random)."""
+    import tempfile
+
+    return f"ipc://{tempfile.gettempdir()}/kvroute-{name}-{os.getpid()}.metrics"
 
 
 def _node_id() -> str | None:

@@ -1,6 +1,5 @@
 """The router as a Ray Serve deployment with a FastAPI ingress, and the app builder for `serve deploy`."""
 
-from __future__ import annotations
 
 import asyncio
 import hmac

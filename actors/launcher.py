@@ -1,0 +1,238 @@
+"""Launching and supervising a worker's engine process (managed mode): `sim` or real `sglang`.
+
+Pure asyncio + subprocess (no Ray): the worker actor owns one `ManagedProcess`. It starts the
+child in its own process group, waits for `/health`, restarts it with backoff when it dies
+(bounded), and stops it with SIGTERM then SIGKILL after a grace period — no orphans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import httpx
+
+from actors.fleet import WorkerSpec
+
+logger = logging.getLogger("kvroute.launcher")
+
+SGLANG_METRICS_ENV = "KVROUTE_METRICS_IPC_NAME"
+
+
+class LaunchError(RuntimeError):
+    """The engine process could not be started or never became healthy."""
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM if the owning actor's process dies (Linux), so a
+    killed actor never leaves an orphaned engine holding its port."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _flags(args: dict[str, Any]) -> list[str]:
+    """`{"time_scale": 0.1, "enable_x": True}` → `["--time-scale", "0.1", "--enable-x"]`."""
+    out: list[str] = []
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, (dict, list)):
+            out += [flag, json.dumps(value)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def build_command(spec: WorkerSpec, *, host: str, port: int, metrics_endpoint: str) -> tuple[list[str], dict[str, str]]:
+    """The child's argv and extra environment, for `engine: sim` or `engine: sglang`."""
+    if spec.engine == "sim":
+        cmd = [
+            sys.executable, "-m", "sim", "--host", host, "--port", str(port),
+            "--metrics-endpoint", metrics_endpoint, "--page-size", str(spec.page_size),
+        ]
+        if spec.model:
+            cmd += ["--model-name", spec.model]
+        if spec.kv_events_endpoint:
+            cmd += ["--kv-events-endpoint", spec.kv_events_endpoint]
+        return cmd + _flags(spec.engine_args), {}
+    if spec.engine == "sglang":
+        cmd = [
+            sys.executable, "-m", "actors.sglang_launch", "--model-path", str(spec.model),
+            "--host", host, "--port", str(port), "--page-size", str(spec.page_size), "--enable-metrics",
+        ]
+        # KvMetrics are only sent with --kv-events-config set (SGLang ≥ 0.5.3), even if we do not subscribe
+        kv_cfg = {"publisher": "zmq", "topic": "kv-events",
+                  "endpoint": spec.kv_events_endpoint or f"tcp://{host}:{free_port(host)}"}
+        cmd += ["--kv-events-config", json.dumps(kv_cfg)]
+        return cmd + _flags(spec.engine_args), {SGLANG_METRICS_ENV: metrics_endpoint}
+    raise LaunchError(f"worker {spec.name}: no engine to launch (attach mode)")
+
+
+@dataclass(slots=True)
+class ProcessStatus:
+    state: str = "starting"  # starting | running | restarting | failed | stopped
+    pid: int | None = None
+    restarts: int = 0
+    last_exit: int | None = None
+    detail: str = ""
+    history: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"process": self.state, "pid": self.pid, "restarts": self.restarts,
+                "last_exit": self.last_exit, "detail": self.detail}
+
+
+class ManagedProcess:
+    """Owns one engine child process for the lifetime of its worker actor."""
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        *,
+        metrics_endpoint: str,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        health_timeout_s: float = 120.0,
+        max_restarts: int = 5,
+        restart_backoff_s: float = 0.5,
+        stop_grace_s: float = 5.0,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.host = host
+        self.port = port or free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        self.metrics_endpoint = metrics_endpoint
+        self.health_timeout_s = health_timeout_s
+        self.max_restarts = max_restarts
+        self.restart_backoff_s = restart_backoff_s
+        self.stop_grace_s = stop_grace_s
+        self.on_change = on_change or (lambda: None)
+        self.status = ProcessStatus()
+        self._proc: asyncio.subprocess.Process | None = None
+        self._stopping = False
+        self._supervisor: asyncio.Task | None = None
+        self._healthy = asyncio.Event()
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.returncode is None
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        return build_command(self.spec, host=self.host, port=self.port, metrics_endpoint=self.metrics_endpoint)
+
+    async def start(self) -> None:
+        """Start the child and its supervisor; returns at once (see `wait_healthy`)."""
+        await self._spawn()
+        self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
+
+    async def _spawn(self) -> None:
+        cmd, env_extra = self.command()
+        env = {**os.environ, **env_extra}
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                *cmd, env=env, stdin=asyncio.subprocess.DEVNULL, start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        except OSError as exc:
+            raise LaunchError(f"worker {self.spec.name}: cannot start {cmd[0]}: {exc}") from None
+        self._healthy.clear()
+        self._set("starting", f"pid {self._proc.pid}: {' '.join(cmd[:4])} …")
+        self.status.pid = self._proc.pid
+        logger.info("worker %s: started engine pid %d", self.spec.name, self._proc.pid)
+
+    def _set(self, state: str, detail: str) -> None:
+        self.status.state, self.status.detail = state, detail
+        self.status.history = (self.status.history + [f"{time.strftime('%H:%M:%S')} {state}: {detail}"])[-20:]
+        self.on_change()
+
+    async def wait_healthy(self, progress: Callable[[str], None] | None = None) -> None:
+        """Poll `/health` until 200, the child exits, or `health_timeout_s` passes."""
+        deadline = time.monotonic() + self.health_timeout_s
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            while True:
+                if self._proc is not None and self._proc.returncode is not None and not self._stopping:
+                    if self.status.state == "failed":
+                        raise LaunchError(f"worker {self.spec.name}: engine exited ({self.status.detail})")
+                try:
+                    r = await client.get(f"{self.url}/health")
+                    if r.status_code == 200:
+                        self._healthy.set()
+                        if self.status.state != "running":
+                            self._set("running", f"pid {self.status.pid} healthy on {self.url}")
+                        return
+                except httpx.HTTPError:
+                    pass
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise LaunchError(
+                        f"worker {self.spec.name}: engine not healthy on {self.url}/health after {self.health_timeout_s:.0f} s"
+                    )
+                if progress:
+                    progress(f"waiting for {self.url}/health ({left:.0f} s left)")
+                await asyncio.sleep(0.1)
+
+    async def _supervise(self) -> None:
+        backoff = self.restart_backoff_s
+        while not self._stopping:
+            assert self._proc is not None
+            code = await self._proc.wait()
+            if self._stopping:
+                return
+            self.status.last_exit = code
+            if self.status.restarts >= self.max_restarts:
+                self._set("failed", f"exited with {code}; {self.max_restarts} restarts used up")
+                logger.error("worker %s: engine exited (%s), not restarting", self.spec.name, code)
+                return
+            self.status.restarts += 1
+            self._set("restarting", f"exited with {code}; restart {self.status.restarts} in {backoff:.1f} s")
+            logger.warning("worker %s: engine exited with %s; restarting in %.1f s", self.spec.name, code, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 30.0)
+            if self._stopping:
+                return
+            try:
+                await self._spawn()
+                await self.wait_healthy()
+                backoff = self.restart_backoff_s
+            except LaunchError as exc:
+                logger.warning("%s", exc)
+
+    async def stop(self) -> None:
+        """SIGTERM the child's process group, SIGKILL after `stop_grace_s`."""
+        self._stopping = True
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+        proc = self._proc
+        if proc is not None and proc.returncode is None:
+            for sig, wait in ((signal.SIGTERM, self.stop_grace_s), (signal.SIGKILL, 5.0)):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    await asyncio.wait_for(proc.wait(), wait)
+                    break
+                except asyncio.TimeoutError:
+                    continue
+        self._set("stopped", "stopped by kvroute")

@@ -1,0 +1,44 @@
+"""Shared fixtures: one local Ray cluster per test session (integration tests only)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray for the whole session (ray.init ≈ 3 s here; never per test)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, namespace="kvroute", include_dashboard=False, log_to_driver=False)
+    yield ray
+    try:
+        from ray import serve
+
+        serve.shutdown()
+    except Exception:
+        pass
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serve_port(ray_cluster):
+    from ray import serve
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return port

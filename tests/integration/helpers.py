@@ -1,0 +1,50 @@
+"""Test helpers: a controllable /health server and polling utilities."""
+
+from __future__ import annotations
+
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
+
+
+class HealthServer:
+    """A stand-in worker HTTP surface for metrics-plane tests: `/health` answers 200 or 503."""
+
+    def __init__(self) -> None:
+        self.healthy = True
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                code = 200 if (self.path == "/health" and outer.healthy) else 503
+                self.send_response(code)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def wait_for(predicate: Callable[[], object], timeout_s: float, interval_s: float = 0.02, what: str = "condition"):
+    """Poll until `predicate()` is truthy; returns its value or fails with `what`."""
+    deadline = time.monotonic() + timeout_s
+    last_exc: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as exc:  # the thing polled may not be up yet
+            last_exc = exc
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}" + (f" (last error: {last_exc})" if last_exc else ""))

@@ -1,0 +1,198 @@
+"""The spine end to end on one local Ray: SGLang-like emitters → worker actors → aggregator →
+router replica (real HTTP through Ray Serve)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+import time
+
+import httpx
+import pytest
+
+from actors.fleet import parse_fleet
+from tests.integration.emitters import Emitter
+from tests.integration.helpers import HealthServer, wait_for
+
+pytestmark = pytest.mark.ray
+
+N = 3
+PREFIX = "/spine"
+
+
+@pytest.fixture(scope="module")
+def fleet_env(ray_cluster, serve_port, tmp_path_factory):
+    import ray
+    from ray import serve
+
+    from actors.aggregator import get_or_create_aggregator
+    from actors.worker_actor import start_worker_actor
+    from serve_app.app import build_app
+
+    tmp = tmp_path_factory.mktemp("ipc")
+    servers = [HealthServer() for _ in range(N)]
+    fleet = parse_fleet(
+        {
+            "workers": [
+                {"name": f"w{i}", "url": s.url, "metrics_endpoint": f"ipc://{tmp}/w{i}.metrics", "page_size": 16}
+                for i, s in enumerate(servers)
+            ]
+        }
+    )
+    agg = get_or_create_aggregator(fleet.settings)
+    ray.get(agg.ping.remote())
+    actors = {w.name: start_worker_actor(w, fleet.settings, name_prefix="spine-") for w in fleet.workers}
+    ray.get([a.ready.remote() for a in actors.values()])
+    emitters = {w.name: Emitter(w.metrics_endpoint, form="0.5.23") for w in fleet.workers}
+    serve.run(
+        build_app({"fleet": fleet.model_dump(mode="json"), "router": {"policy": "least_loaded", "seed": 1}}),
+        name="spine", route_prefix=PREFIX,
+    )
+    base = f"http://127.0.0.1:{serve_port}{PREFIX}"
+    client = httpx.Client(base_url=base, timeout=10)
+    wait_for(lambda: len(client.get("/workers").json()["workers"]) == N, 30, what="all workers in /workers")
+    yield {"client": client, "actors": actors, "emitters": emitters, "servers": servers, "fleet": fleet}
+    client.close()
+    serve.delete("spine")
+    for e in emitters.values():
+        e.close()
+    ray.get([a.stop.remote() for a in actors.values()])
+    for a in actors.values():
+        ray.kill(a, no_restart=True)
+    for s in servers:
+        s.close()
+
+
+def _workers(client) -> dict[str, dict]:
+    return {w["name"]: w for w in client.get("/workers").json()["workers"]}
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 8}
+
+
+def test_workers_shows_what_the_schedulers_sent_in_blocks(fleet_env):
+    c, em = fleet_env["client"], fleet_env["emitters"]
+    em["w0"].send(request_active_slots=5, num_requests_waiting=2, kv_active_blocks=1600, gpu_cache_usage_perc=0.01)
+    w = wait_for(lambda: (x := _workers(c)["w0"])["metrics"] and x["metrics"]["request_active_slots"] == 5 and x, 5,
+                 what="w0 metrics in /workers")
+    assert w["state"] == "live"
+    assert w["metrics"]["num_requests_waiting"] == 2
+    assert w["metrics"]["kv_active_blocks"] == 100  # 1600 tokens / page 16
+    assert w["metrics"]["kv_total_blocks"] == 10_000
+    assert w["metrics_age_s"] < 2.0 and w["heartbeat_age_s"] < 2.0
+    assert [r["data_parallel_rank"] for r in w["ranks"]] == [0]
+
+
+def test_route_follows_the_load_within_200ms(fleet_env):
+    c, em = fleet_env["client"], fleet_env["emitters"]
+    em["w0"].send(num_requests_waiting=20, request_active_slots=64)
+    em["w1"].send(num_requests_waiting=20, request_active_slots=64)
+    em["w2"].send(num_requests_waiting=0, request_active_slots=1)
+    wait_for(lambda: c.post("/route", json=CHAT).json()["worker"] == "w2", 5, what="route to w2")
+    picks = {c.post("/route", json=CHAT).json()["worker"] for _ in range(10)}
+    assert picks == {"w2"}
+    # shift the load: w2 saturates, w1 empties
+    t0 = time.monotonic()
+    em["w2"].send(num_requests_waiting=30, request_active_slots=64)
+    em["w1"].send(num_requests_waiting=0, request_active_slots=0)
+    wait_for(lambda: c.post("/route", json=CHAT).json()["worker"] == "w1", 2, interval_s=0.005, what="route to w1")
+    elapsed = time.monotonic() - t0
+    assert elapsed < 0.2, f"load change reached /route after {elapsed * 1000:.0f} ms"
+    d = c.post("/route", json=CHAT).json()
+    assert d["policy"] == "least_loaded" and d["url"].startswith("http://127.0.0.1:") and d["reason"]
+
+
+def test_route_rejects_bad_bodies_and_unknown_policies(fleet_env):
+    c = fleet_env["client"]
+    r = c.post("/route", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = c.post("/route", json=CHAT, headers={"x-kvroute-policy": "nope"})
+    assert r.status_code == 400 and "least_loaded" in r.json()["error"]["message"]
+    r = c.post("/route", json={"model": "m"})
+    assert r.status_code == 400
+
+
+def test_hostile_frames_are_counted_and_refused_while_valid_values_arrive(fleet_env, tmp_path):
+    import ray
+
+    c, em, actors = fleet_env["client"], fleet_env["emitters"], fleet_env["actors"]
+    before = ray.get(actors["w1"].stats.remote())
+    target = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {target}",))
+
+    hostile = [pickle.dumps(Evil(), protocol=4), b"\x80\x05garbage", b"\x00" * 70_000, pickle.dumps({"a": 1}), b""]
+    for i in range(20):
+        em["w1"].send_raw(hostile[i % len(hostile)])
+        em["w1"].send(request_active_slots=i, num_requests_waiting=0)
+    em["w1"].sock.send_multipart([b"part1", b"part2"])
+    em["w1"].send(request_active_slots=42)
+    wait_for(lambda: _workers(c)["w1"]["metrics"]["request_active_slots"] == 42, 5, what="last valid value")
+    after = ray.get(actors["w1"].stats.remote())
+    refused = after["frames_refused"] - before["frames_refused"]
+    assert refused == 21  # 20 hostile frames + 1 multipart message
+    assert after["frames_accepted"] - before["frames_accepted"] == 21
+    assert after["refused_by_reason"]["forbidden_global"] - before["refused_by_reason"].get("forbidden_global", 0) == 4
+    assert after["refused_by_reason"]["oversized"] >= 4
+    assert after["refused_by_reason"]["multipart"] >= 1
+    assert not target.exists()
+
+
+def test_killing_the_aggregator_loses_no_worker_and_route_keeps_answering(fleet_env):
+    import ray
+
+    from actors.aggregator import AGGREGATOR_NAME, NAMESPACE
+
+    c = fleet_env["client"]
+    epoch = c.get("/workers").json()["epoch"]
+    answers: list[int] = []
+    stop = threading.Event()
+
+    def hammer():
+        with httpx.Client(base_url=str(c.base_url), timeout=5) as hc:
+            while not stop.is_set():
+                answers.append(hc.post("/route", json=CHAT).status_code)
+                time.sleep(0.01)
+
+    t = threading.Thread(target=hammer)
+    t.start()
+    time.sleep(0.2)
+    agg = ray.get_actor(AGGREGATOR_NAME, namespace=NAMESPACE)
+    ray.kill(agg, no_restart=False)
+    killed_at = time.monotonic()
+    # the router notices the new epoch and every worker is back, re-registered by its actor
+    wait_for(lambda: (d := c.get("/workers").json())["epoch"] != epoch and len(d["workers"]) == N, 10,
+             what="all workers back after aggregator restart")
+    back_after = time.monotonic() - killed_at
+    time.sleep(0.2)
+    stop.set()
+    t.join()
+    assert answers and all(code == 200 for code in answers), f"non-200 answers: {set(answers)}"
+    assert back_after < 1.0 + 1.0, f"workers back after {back_after:.2f} s"  # restart + ≤ 1 heartbeat
+    h = c.get("/healthz").json()
+    assert h["aggregator"] == "reachable"
+
+
+def test_a_worker_whose_health_fails_goes_down_and_is_not_routed_to(fleet_env):
+    c, em, servers = fleet_env["client"], fleet_env["emitters"], fleet_env["servers"]
+    for name in ("w0", "w1", "w2"):
+        em[name].send(num_requests_waiting=0, request_active_slots=0)
+    em["w0"].send(num_requests_waiting=0, request_active_slots=0)
+    servers[0].healthy = False
+    try:
+        wait_for(lambda: _workers(c)["w0"]["state"] == "down", 5, what="w0 down")
+        picks = {c.post("/route", json=CHAT).json()["worker"] for _ in range(30)}
+        assert "w0" not in picks and picks <= {"w1", "w2"}
+    finally:
+        servers[0].healthy = True
+    wait_for(lambda: _workers(c)["w0"]["state"] != "down", 5, what="w0 back up")
+
+
+def test_healthz_reports_the_snapshot_age(fleet_env):
+    h = fleet_env["client"].get("/healthz").json()
+    assert h["status"] == "ok"
+    assert h["snapshot_age_s"] is not None and h["snapshot_age_s"] < 10
+    assert h["workers"].get("down", 0) == 0
