@@ -8,13 +8,18 @@ from serve_app.policies.base import (
     Policy,
     RouteRequest,
     WorkerView,
+    routable,
 )
+from serve_app.policies.kv_aware import KvAware, KvAwareConfig
 from serve_app.policies.least_loaded import LeastLoaded
+from serve_app.policies.power_of_two import PowerOfTwo
+from serve_app.policies.random_choice import RandomChoice
+from serve_app.policies.round_robin import RoundRobin
 
 POLICIES: dict[str, type] = {
-    LeastLoaded.name: LeastLoaded,
+    p.name: p for p in (RoundRobin, RandomChoice, PowerOfTwo, LeastLoaded, KvAware)
 }
-DEFAULT_POLICY = "least_loaded"
+DEFAULT_POLICY = "kv_aware"
 
 
 class UnknownPolicy(ValueError):
@@ -24,6 +29,7 @@ class UnknownPolicy(ValueError):
 
 
 def get_policy(name: str) -> Policy:
+    """A fresh instance of the named policy (keep one per name: round_robin's cycle lives on it)."""
     try:
         return POLICIES[name]()
     except KeyError:
@@ -31,6 +37,6 @@ def get_policy(name: str) -> Policy:
 
 
 __all__ = [
-    "Decision", "NoWorkerAvailable", "Policy", "RouteRequest", "WorkerView",
-    "POLICIES", "DEFAULT_POLICY", "UnknownPolicy", "get_policy",
+    "Decision", "NoWorkerAvailable", "Policy", "RouteRequest", "WorkerView", "routable",
+    "KvAware", "KvAwareConfig", "POLICIES", "DEFAULT_POLICY", "UnknownPolicy", "get_policy",
 ]

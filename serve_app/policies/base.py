@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Mapping, Protocol, Sequence
+
+_NO_OVERLAP: Mapping[str, int] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerView:
     """One worker as the router sees it at decision time (snapshot + its own ledger).
 
-    Reported figures are already zeroed for `idle` workers (their last report is not load);
-    `kv_*_blocks` are in blocks of the worker's `page_size`.
+    Reported figures (`running`, `waiting`, `kv_active_blocks`) are zeroed for `idle` workers —
+    their last report is not load — while capacities (`total_slots`, `kv_total_blocks`) are kept.
+    `kv_*_blocks` are in blocks of the worker's `page_size` (tokens / page_size, as reported).
+
+    The ledger fields say what the router knows that the last report cannot show yet
+    (see `serve_app.ledger.Ledger.apply`); their block counts are in blocks of the router's
+    `block_tokens` (`RouteRequest.block_tokens`), like `RouteRequest.overlap`.
     """
 
     name: str
@@ -23,18 +31,41 @@ class WorkerView:
     total_slots: int = 0  # reported request_total_slots (0 = unknown)
     waiting: int = 0  # reported num_requests_waiting
     kv_active_blocks: int = 0
-    kv_total_blocks: int = 0
-    in_flight: int = 0  # dispatched by the router and not yet finished
+    kv_total_blocks: int = 0  # 0 = unknown
+    in_flight: int = 0  # dispatched by this router replica and not yet finished (all of them)
+    # ledger: dispatched by this replica and not visible in the last report (idle: all in-flight)
+    pending: int = 0
+    pending_prefill_blocks: int = 0  # prompt blocks still to prefill (before first token)
+    pending_kv_blocks: int = 0  # KV blocks those requests hold or will hold
+    remote_pending: int = 0  # the same count from other router replicas (sizes unknown)
 
 
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
-    """The routing-relevant facts of one request, extracted once from its body."""
+    """The routing-relevant facts of one request, extracted once from its body.
+
+    `block_hashes[i]` is a chained hash of prompt block i (`block_tokens` tokens): equal hashes
+    mean equal prompt prefixes up to and including that block. `overlap` maps a worker name to the
+    number of leading blocks of this prompt it is believed to hold in its prefix cache; the router
+    fills it per request from the prefix index (`with_overlap`); workers absent from it hold none.
+    """
 
     prompt: str = ""  # the whole prompt as the engine sees it (all chat messages, in order)
-    prompt_tokens: int = 0  # estimate
-    max_tokens: int = 0
+    prompt_tokens: int = 0  # estimate (or exact, when token ids were given)
+    max_tokens: int = 0  # 0 = not given
     block_hashes: tuple[int, ...] = ()  # chained hashes of page-sized prompt blocks
+    block_tokens: int = 16  # tokens per block of `block_hashes`, `overlap` and ledger figures
+    token_ids: tuple[int, ...] = ()  # when the body carried token ids (or the router tokenized)
+    overlap: Mapping[str, int] = field(default_factory=lambda: _NO_OVERLAP, compare=False)
+
+    @property
+    def prompt_blocks(self) -> int:
+        """Blocks the whole prompt occupies (ceil), the unit of every kv_aware term."""
+        return -(-self.prompt_tokens // self.block_tokens)
+
+    def with_overlap(self, overlap: Mapping[str, int]) -> "RouteRequest":
+        """The same request with per-worker prefix overlap (blocks) filled in."""
+        return replace(self, overlap=overlap)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,9 +92,13 @@ def routable(workers: Sequence[WorkerView]) -> list[WorkerView]:
     """Workers a policy may pick: never `down`. Raises NoWorkerAvailable when none is left."""
     out = [w for w in workers if w.state != "down"]
     if not out:
-        states = ", ".join(f"{w.name}={w.state}" for w in workers) or "no workers registered"
-        raise NoWorkerAvailable(f"no routable worker ({states})")
+        _raise_none(workers)
     return out
+
+
+def _raise_none(workers: Sequence[WorkerView]) -> None:
+    states = ", ".join(f"{w.name}={w.state}" for w in workers) or "no workers registered"
+    raise NoWorkerAvailable(f"no routable worker ({states})")
 
 
 @dataclass(slots=True)

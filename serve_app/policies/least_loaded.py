@@ -1,4 +1,4 @@
-"""least_loaded: the worker with the least queued, running and KV load, counting own in-flight."""
+"""least_loaded: the worker with the fewest outstanding requests, counting the router's own dispatches."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from serve_app.policies.base import Decision, RouteRequest, WorkerView, _Argmin,
 
 
 def load_of(w: WorkerView) -> float:
-    """Load in "requests": waiting + in-flight dominate, then slot use, then KV use (each in [0,1])."""
-    slots = (w.running + w.in_flight) / w.total_slots if w.total_slots else 0.0
+    """Outstanding requests: reported running + waiting, plus dispatches the report cannot show yet
+    (this replica's and other replicas'); the KV use fraction (in [0, 1]) breaks ties between
+    workers with equal counts. `idle` workers arrive with reported figures zeroed."""
     kv = w.kv_active_blocks / w.kv_total_blocks if w.kv_total_blocks else 0.0
-    return w.waiting + w.in_flight + slots + kv
+    return w.running + w.waiting + w.pending + w.remote_pending + kv
 
 
 class LeastLoaded:
@@ -24,7 +25,7 @@ class LeastLoaded:
         best = _Argmin()
         for w in routable(workers):
             best.add(load_of(w), w)
-        pick = rng.choice(best.items)
+        pick = best.items[0] if len(best.items) == 1 else rng.choice(best.items)
         return Decision(
             pick.name, pick.url, self.name, f"load={best.best:.3f} among {len(best.items)} tied"
         )
