@@ -223,6 +223,12 @@ def _kvroute_app_errors(app: dict[str, Any], where: str) -> list[str]:
         app_args = AppArgs.model_validate(args)
     except ValidationError as exc:
         errors += _pydantic_errors(exc, args, f"{where}.args")
+    if app_args is not None:
+        from serve_app.policies import POLICIES  # pure module: the registry of policy names
+
+        if app_args.router.policy not in POLICIES:
+            errors.append(f"{where}.args.router.policy: unknown policy {app_args.router.policy!r}"
+                          f"{_hint(app_args.router.policy, POLICIES)}; valid: {', '.join(sorted(POLICIES))}")
     deployments = [d for d in app.get("deployments") or [] if isinstance(d, dict)]
     for j, dep in enumerate(deployments):
         dwhere = _item(f"{where}.deployments", j, dep)
