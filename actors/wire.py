@@ -43,25 +43,17 @@ class WireError(ValueError):
 
 
 class _KvMetricsStandIn:
-    """What an allow-listed `KvMetrics` global resolves to: holds attributes, runs no code of theirs."""
+    """What an allow-listed `KvMetrics` global resolves to: a bare attribute holder. It has no
+    `__setstate__`, so pickle's BUILD fills `__dict__` in C and no code of the sender's runs."""
 
-    __slots__ = ("fields",)
 
-    def __init__(self) -> None:
-        self.fields: dict[str, Any] = {}
-
-    def __setstate__(self, state: Any) -> None:
-        # plain class / dataclass: a dict; slotted dataclass: (dict | None, dict | None)
-        if isinstance(state, tuple) and len(state) == 2:
-            merged: dict[str, Any] = {}
-            for part in state:
-                if part is not None and not isinstance(part, dict):
-                    raise WireError("bad_pickle", "object state is not a mapping")
-                merged.update(part or {})
-            state = merged
-        if not isinstance(state, dict):
-            raise WireError("bad_pickle", "object state is not a mapping")
-        self.fields = state
+def _state_fields(state: Any) -> dict[str, Any]:
+    # plain class / dataclass: a dict; slotted dataclass: (dict | None, dict | None)
+    if isinstance(state, dict):
+        return state
+    if isinstance(state, tuple) and len(state) == 2 and all(p is None or isinstance(p, dict) for p in state):
+        return {**(state[0] or {}), **(state[1] or {})}
+    raise WireError("bad_pickle", "object state is not a mapping")
 
 
 def _rebuild_struct(cls: Any, state: Any) -> _KvMetricsStandIn:
@@ -69,7 +61,7 @@ def _rebuild_struct(cls: Any, state: Any) -> _KvMetricsStandIn:
     if cls is not _KvMetricsStandIn:
         raise WireError("forbidden_global", "msgspec rebuild of a class other than KvMetrics")
     obj = _KvMetricsStandIn()
-    obj.__setstate__(state)
+    obj.__dict__.update(_state_fields(state))
     return obj
 
 
@@ -87,20 +79,10 @@ class _AllowListUnpickler(pickle.Unpickler):
         raise WireError("forbidden_global", "pickle uses persistent ids")
 
 
-class _WireKvMetrics(msgspec.Struct, tag="KvMetrics", array_like=True, forbid_unknown_fields=True):
-    """The msgpack shape of 0.5.16+ with SGLANG_USE_PICKLE_IPC=0 (types checked by pydantic)."""
-
-    request_active_slots: Any
-    request_total_slots: Any
-    kv_active_blocks: Any
-    kv_total_blocks: Any
-    num_requests_waiting: Any
-    gpu_cache_usage_perc: Any
-    gpu_prefix_cache_hit_rate: Any
-    data_parallel_rank: Any = 0
-
-
-_msgpack_decoder = msgspec.msgpack.Decoder(_WireKvMetrics)
+_msgpack_decoder = msgspec.msgpack.Decoder()
+_N_FIELDS = len(KV_METRICS_FIELDS)
+_FIELD_KEYS = frozenset(KV_METRICS_FIELDS)
+_validator = KvMetrics.__pydantic_validator__
 
 
 def _fields_from_pickle(frame: bytes) -> dict[str, Any]:
@@ -112,17 +94,22 @@ def _fields_from_pickle(frame: bytes) -> dict[str, Any]:
         raise WireError("bad_pickle", "nesting too deep") from exc
     except Exception as exc:  # any malformed pickle: truncated, bad opcode, wrong arity …
         raise WireError("bad_pickle", f"{type(exc).__name__}: {exc}"[:200]) from exc
-    if not isinstance(obj, _KvMetricsStandIn):
+    if type(obj) is not _KvMetricsStandIn:
         raise WireError("not_kv_metrics", f"pickle holds {type(obj).__name__}, not KvMetrics")
-    return obj.fields
+    return obj.__dict__
 
 
 def _fields_from_msgpack(frame: bytes) -> dict[str, Any]:
     try:
-        wire = _msgpack_decoder.decode(frame)
+        arr = _msgpack_decoder.decode(frame)
     except msgspec.DecodeError as exc:
         raise WireError("bad_msgpack", str(exc)[:200]) from exc
-    return {f: getattr(wire, f) for f in KV_METRICS_FIELDS}
+    # the tagged positional array of msgspec's Struct(tag=True, array_like=True)
+    if type(arr) is not list or not arr or arr[0] != "KvMetrics":
+        raise WireError("bad_msgpack", "not a ['KvMetrics', ...] tagged array")
+    if len(arr) != _N_FIELDS + 1:
+        raise WireError("bad_msgpack", f"KvMetrics array has {len(arr) - 1} fields, expected {_N_FIELDS}")
+    return dict(zip(KV_METRICS_FIELDS, arr[1:]))
 
 
 def decode_kv_metrics(frame: bytes, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> KvMetrics:
@@ -149,6 +136,11 @@ def decode_kv_metrics(frame: bytes, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES)
 
 
 def _validate(fields: dict[str, Any]) -> KvMetrics:
+    if fields.keys() == _FIELD_KEYS and fields["data_parallel_rank"] is not None:  # the common case
+        try:
+            return _validator.validate_python(fields)
+        except ValidationError as exc:
+            raise _invalid(exc) from None
     # Old plain classes start every field as None; SGLang's 0.4.9 sender always fills all eight,
     # but data_parallel_rank None means "no DP" wherever it appears.
     if fields.get("data_parallel_rank", 0) is None:
@@ -157,8 +149,12 @@ def _validate(fields: dict[str, Any]) -> KvMetrics:
     if unknown:
         raise WireError("unknown_field", f"unexpected fields {sorted(map(repr, unknown))[:5]}")
     try:
-        return KvMetrics.model_validate(fields)
+        return _validator.validate_python(fields)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"]) or "frame"
-        raise WireError("invalid_value", f"{where}: {err['msg']} (got {err.get('input')!r:.40})") from exc
+        raise _invalid(exc) from None
+
+
+def _invalid(exc: ValidationError) -> WireError:
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err["loc"]) or "frame"
+    return WireError("invalid_value", f"{where}: {err['msg']} (got {err.get('input')!r:.40})")

@@ -26,6 +26,7 @@ class WorkerRecord:
     ranks: list[dict[str, Any]]
     metrics_at: float | None  # local monotonic time of the newest frame (None: never reported)
     heartbeat_at: float
+    updated_at: float  # wall clock when this replica applied the record (freshness measurements)
     in_flight_by_replica: dict[str, int] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -81,6 +82,7 @@ class FleetFollower:
     def apply(self, delta: dict[str, Any], received_at: float | None = None) -> list[str]:
         """Merge one answer of `Aggregator.snapshot`. Returns the names that changed."""
         now = time.monotonic() if received_at is None else received_at
+        wall = time.time()
         if delta["full"] or delta["epoch"] != self.epoch:
             fresh: dict[str, WorkerRecord] = {}
         else:
@@ -99,6 +101,7 @@ class FleetFollower:
                 ranks=w["ranks"],
                 metrics_at=None if age is None else now - age,
                 heartbeat_at=now - w["heartbeat_age_s"],
+                updated_at=wall,
                 in_flight_by_replica=dict(w.get("in_flight_by_replica") or {}),
                 extra=dict(w.get("extra") or {}),
             )

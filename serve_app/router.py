@@ -119,6 +119,7 @@ class RouterCore:
                     "ranks": rec.ranks,
                     "in_flight": lv.in_flight + self.remote_in_flight(rec),
                     "in_flight_local": lv.in_flight,
+                    "updated_at": rec.updated_at,
                     "managed": rec.extra or None,
                 }
             )
