@@ -1,0 +1,737 @@
+"""The simulated worker process: SGLang's HTTP surface over the engine, driven in scaled real time.
+
+One asyncio loop runs uvicorn, the HTTP routes and `EngineDriver`, which repeatedly asks the
+engine for a batch, sleeps for the batch's simulated duration × `time_scale`, and hands the
+produced tokens to the waiting requests. KvMetrics go out through `MetricsEmitter`, KV events
+through `KvEventPublisher`, both from the engine's report points.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from datetime import datetime, timezone
+from types import FrameType
+from typing import Any
+
+import uvicorn
+import zmq
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from sim import protocol, tokenizer
+from sim.config import SimConfig
+from sim.engine import Engine, KvReport, RequestRejected, SimRequest, TokenOutput
+from sim.kv_event_publisher import KvEventPublisher
+from sim.kv_events import KvEvent
+from sim.metrics_emitter import MetricsEmitter
+from sim.prometheus import CONTENT_TYPE as PROM_CONTENT_TYPE
+from sim.prometheus import SimMetrics
+
+logger = logging.getLogger(__name__)
+
+SGLANG_VERSION = "0.5.23"  # what /server_info and /v1/loads say the server is
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_MAX_LAG_S = 0.05  # wall seconds the driver may fall behind before it stops catching up
+
+
+def _now_s() -> int:
+    return int(time.time())
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+_DONE = b"data: [DONE]\n\n"
+
+
+# ------------------------------------------------------------------------------ engine driver
+
+
+@dataclasses.dataclass(eq=False)
+class _Stream:
+    req: SimRequest
+    queue: asyncio.Queue[TokenOutput]
+    wall_submit: float
+    wall_first: float | None = None
+    done: bool = False
+
+
+class EngineDriver:
+    """Runs the engine against the wall clock: sim time = elapsed wall time / time_scale."""
+
+    def __init__(self, engine: Engine, time_scale: float) -> None:
+        self.engine = engine
+        self.time_scale = time_scale
+        self._t0 = time.monotonic()
+        self._streams: dict[str, _Stream] = {}
+        self._wake = asyncio.Event()
+        self._stopping = False
+
+    def sim_now(self) -> float:
+        return (time.monotonic() - self._t0) / self.time_scale
+
+    def submit(self, rid: str, input_ids: list[int], max_new_tokens: int) -> _Stream:
+        """Queue a request; raises RequestRejected (→ 400) if the engine can never serve it."""
+        if self._stopping:
+            raise RequestRejected("the server is shutting down")
+        req = self.engine.submit(rid, input_ids, max_new_tokens, self.sim_now())
+        stream = _Stream(req=req, queue=asyncio.Queue(), wall_submit=time.monotonic())
+        self._streams[rid] = stream
+        self._wake.set()
+        return stream
+
+    def abort(self, rid: str) -> None:
+        stream = self._streams.pop(rid, None)
+        if stream is not None and not stream.done:
+            self.engine.abort(rid, self.sim_now())
+
+    def end_all_streams(self) -> None:
+        """On shutdown: every open request ends now (finish_reason "abort")."""
+        self._stopping = True
+        for rid, stream in list(self._streams.items()):
+            stream.queue.put_nowait(TokenOutput(rid, None, -1, True, "abort"))
+        self._wake.set()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline: float | None = None
+        while not self._stopping:
+            batch = self.engine.schedule(self.sim_now())
+            if batch is None:
+                deadline = None
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            start = loop.time()
+            if deadline is None or deadline < start - _MAX_LAG_S:
+                deadline = start
+            deadline += batch.duration * self.time_scale
+            delay = deadline - loop.time()
+            await asyncio.sleep(delay if delay > 0 else 0)
+            for out in self.engine.complete(batch, self.sim_now()):
+                stream = self._streams.get(out.rid)
+                if stream is None:
+                    continue
+                if out.finished:
+                    stream.done = True
+                    del self._streams[out.rid]
+                stream.queue.put_nowait(out)
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+
+
+class _Outputs:
+    """The engine's listener: KvMetrics → PUSH socket, KV events → PUB socket."""
+
+    def __init__(self, emitter: MetricsEmitter | None, publisher: KvEventPublisher | None) -> None:
+        self.emitter = emitter
+        self.publisher = publisher
+        self.last_report: KvReport | None = None
+
+    def on_kv_metrics(self, report: KvReport) -> None:
+        self.last_report = report
+        if self.emitter is not None:
+            self.emitter.send(report)
+
+    def on_kv_events(self, events: list[KvEvent]) -> None:
+        if self.publisher is not None:
+            self.publisher.publish(events)
+
+
+# ------------------------------------------------------------------------------ the server
+
+
+class SimServer:
+    """Everything one simulated worker owns. Build it, serve `app`, then `close()`.
+
+    Binds the KV event sockets and connects the metrics socket in the constructor, so a bad
+    endpoint fails before the HTTP port opens (ValueError naming the endpoint).
+    """
+
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+        self.started_at = time.time()
+        engine_cfg = config.engine.model_copy(
+            update={
+                "record_kv_events": config.kv_events_endpoint is not None,
+                "round_prefill_usage": config.wire == "0.4.9",
+            }
+        )
+        self._zmq = zmq.Context()
+        emitter = publisher = None
+        try:
+            if config.metrics_endpoint:
+                emitter = MetricsEmitter(config.metrics_endpoint, config.wire, context=self._zmq)
+            if config.kv_events_endpoint:
+                publisher = KvEventPublisher(
+                    config.kv_events_endpoint,
+                    encoding=config.kv_events_encoding,
+                    topic=config.kv_events_topic,
+                    dp_rank=engine_cfg.dp_rank,
+                    replay_endpoint=config.kv_events_replay_endpoint,
+                    buffer_steps=config.kv_events_buffer_steps,
+                    context=self._zmq,
+                )
+        except Exception:
+            if emitter is not None:
+                emitter.close()
+            self._zmq.term()
+            raise
+        self.outputs = _Outputs(emitter, publisher)
+        self.engine = Engine(engine_cfg, self.outputs)
+        self.metrics = SimMetrics(config.model_name)
+        self.driver: EngineDriver | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.app = self._build_app()
+
+    # -------------------------------------------------------------- lifecycle
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        self.driver = EngineDriver(self.engine, self.config.time_scale)
+        self._tasks = [asyncio.create_task(self.driver.run(), name="sim-engine")]
+        if self.outputs.publisher is not None and self.outputs.publisher.replay_endpoint:
+            self._tasks.append(asyncio.create_task(self._serve_replay(), name="sim-kv-replay"))
+        logger.info(
+            "sim worker %s:%d up (model %s, wire %s, metrics → %s, kv events %s)",
+            self.config.host, self.config.port, self.config.model_name, self.config.wire,
+            self.config.metrics_endpoint, self.config.kv_events_endpoint,
+        )
+        try:
+            yield
+        finally:
+            self.driver.stop()
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _serve_replay(self) -> None:
+        assert self.outputs.publisher is not None
+        while True:
+            self.outputs.publisher.serve_replay()
+            await asyncio.sleep(0.02)
+
+    def begin_shutdown(self) -> None:
+        """Called when a stop signal arrives: open streams end at once instead of timing out."""
+        if self.driver is not None:
+            self.driver.end_all_streams()
+
+    def close(self) -> None:
+        """Close every socket (linger 0). Idempotent."""
+        if self.outputs.emitter is not None:
+            self.outputs.emitter.close()
+        if self.outputs.publisher is not None:
+            self.outputs.publisher.close()
+        if not self._zmq.closed:
+            self._zmq.term()
+
+    # -------------------------------------------------------------- shared helpers
+
+    def _driver(self) -> EngineDriver:
+        if self.driver is None:
+            raise RuntimeError("the engine driver is not running (app used outside its lifespan)")
+        return self.driver
+
+    def _server_args(self) -> dict[str, Any]:
+        c, e = self.config, self.engine.config
+        kv_cfg = None
+        if c.kv_events_endpoint:
+            kv_cfg = json.dumps(
+                {"publisher": "zmq", "endpoint": c.kv_events_endpoint, "topic": c.kv_events_topic,
+                 "replay_endpoint": c.kv_events_replay_endpoint}
+            )
+        return {
+            "model_path": c.model_name,
+            "tokenizer_path": c.model_name,
+            "served_model_name": c.model_name,
+            "host": c.host,
+            "port": c.port,
+            "page_size": e.page_size,
+            "max_total_num_tokens": self.engine.max_total_num_tokens,
+            "max_running_requests": e.max_running_requests,
+            "max_prefill_tokens": e.max_prefill_tokens,
+            "chunked_prefill_size": -1,
+            "context_length": e.context_length,
+            "schedule_policy": "fcfs",
+            "tp_size": 1,
+            "dp_size": 1,
+            "decode_log_interval": e.decode_log_interval,
+            "enable_metrics": True,
+            "kv_events_config": kv_cfg,
+        }
+
+    def _kv_events_info(self) -> dict[str, Any] | None:
+        pub = self.outputs.publisher
+        if pub is None:
+            return None
+        info: dict[str, Any] = {
+            "publisher": "zmq",
+            "endpoint": pub.endpoint,
+            "endpoint_host": pub.endpoint.rsplit(":", 1)[0].removeprefix("tcp://"),
+            "topic": self.config.kv_events_topic,
+            "block_size": self.engine.page_size,
+            "dp_size": 1,
+            "encoding": pub.encoding,
+            "next_seq": pub.next_seq,
+        }
+        if pub.endpoint.startswith("tcp://"):
+            info["endpoint_port_base"] = int(pub.endpoint.rsplit(":", 1)[1])
+        if pub.replay_endpoint:
+            info["replay_endpoint"] = pub.replay_endpoint
+            if pub.replay_endpoint.startswith("tcp://"):
+                info["replay_endpoint_port_base"] = int(pub.replay_endpoint.rsplit(":", 1)[1])
+        return info
+
+    def stats_json(self) -> dict[str, Any]:
+        stats = dataclasses.asdict(self.engine.stats())
+        em = self.outputs.emitter
+        last = self.outputs.last_report
+        return {
+            **stats,
+            "sim_time_s": self.driver.sim_now() if self.driver else 0.0,
+            "time_scale": self.config.time_scale,
+            "wire": self.config.wire,
+            "kv_metrics_sent": em.sent if em else 0,
+            "kv_metrics_dropped": em.dropped if em else 0,
+            "last_kv_metrics": last.as_dict() if last else None,
+            "kv_events_published": self.outputs.publisher.next_seq if self.outputs.publisher else 0,
+        }
+
+    def _load_snapshot(self) -> dict[str, Any]:
+        s = self.engine.stats()
+        e = self.engine.config
+        total_tokens = s.used_tokens + s.waiting_tokens
+        busy = s.prefill_busy_s + s.decode_busy_s
+        elapsed = self.driver.sim_now() if self.driver else 0.0
+        return {
+            "timestamp": time.time(),
+            "dp_rank": e.dp_rank,
+            "num_running_reqs": s.num_running_reqs,
+            "num_waiting_reqs": s.num_waiting_reqs,
+            "num_waiting_uncached_tokens": s.waiting_tokens,
+            "num_used_tokens": s.used_tokens,
+            "num_total_tokens": total_tokens,
+            "num_active_tokens": total_tokens,
+            "num_prealloc_ready_tokens": 0,
+            "max_total_num_tokens": s.max_total_num_tokens,
+            "max_running_requests": e.max_running_requests,
+            "token_usage": s.token_usage,
+            "gen_throughput": s.generation_tokens_total / elapsed if elapsed > 0 else 0.0,
+            "cache_hit_rate": s.last_prefill_cache_hit_rate,
+            "utilization": min(1.0, busy / elapsed) if elapsed > 0 else 0.0,
+            "total_prefill_uncached_tokens": s.prompt_tokens_total - s.cached_tokens_total,
+            "total_prefill_busy_us": int(s.prefill_busy_s * 1e6),
+            "decode_moments": None,
+        }
+
+    # -------------------------------------------------------------- request execution
+
+    async def _tokens(self, stream: _Stream) -> AsyncIterator[TokenOutput]:
+        """The request's outputs as they are produced; aborts it if the consumer goes away."""
+        try:
+            while True:
+                out = await stream.queue.get()
+                if stream.wall_first is None:
+                    stream.wall_first = time.monotonic()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if not stream.done:
+                self._driver().abort(stream.req.rid)
+
+    def _account(self, stream: _Stream, streaming: bool) -> None:
+        req = stream.req
+        now = time.monotonic()
+        self.metrics.observe_request(
+            streaming=streaming,
+            prompt_tokens=len(req.input_ids),
+            cached_tokens=req.cached_tokens,
+            completion_tokens=len(req.output_ids),
+            ttft_s=(stream.wall_first - stream.wall_submit) if stream.wall_first else None,
+            e2e_s=now - stream.wall_submit,
+        )
+
+    def _usage(self, req: SimRequest) -> dict[str, Any]:
+        n_in, n_out = len(req.input_ids), len(req.output_ids)
+        return {
+            "prompt_tokens": n_in,
+            "total_tokens": n_in + n_out,
+            "completion_tokens": n_out,
+            "prompt_tokens_details": {"cached_tokens": req.cached_tokens},
+            "reasoning_tokens": 0,
+        }
+
+    def _meta_info(self, stream: _Stream, finish_reason: str | None) -> dict[str, Any]:
+        req = stream.req
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "finish_reason": (
+                None if finish_reason is None
+                else {"type": finish_reason, "length": len(req.output_ids)} if finish_reason == "length"
+                else {"type": finish_reason, "message": "request aborted"}
+            ),
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens,
+            "e2e_latency": time.monotonic() - stream.wall_submit,
+            "weight_version": "default",
+        }
+        if req.first_token_time is not None:
+            meta["sim"] = {
+                "ttft_s": req.ttft,
+                "queue_s": (req.admit_time or req.arrival) - req.arrival,
+            }
+        return meta
+
+    def _submit(self, rid: str | None, input_ids: list[int], max_new_tokens: int) -> _Stream:
+        rid = rid or uuid.uuid4().hex
+        try:
+            return self._driver().submit(rid, input_ids, max_new_tokens)
+        except RequestRejected as exc:
+            raise protocol.BadRequest(str(exc)) from exc
+
+    # -------------------------------------------------------------- routes
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(lifespan=self._lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+        cfg = self.config
+
+        @app.exception_handler(protocol.BadRequest)
+        async def _bad_request(request: Request, exc: protocol.BadRequest) -> JSONResponse:
+            if request.url.path.startswith("/generate"):
+                return JSONResponse({"error": {"message": exc.message}}, status_code=400)
+            return JSONResponse(protocol.openai_error(exc.message, exc.param), status_code=400)
+
+        @app.exception_handler(RequestValidationError)
+        async def _invalid_query(request: Request, exc: RequestValidationError) -> JSONResponse:
+            err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+            where = ".".join(str(p) for p in err["loc"])
+            return JSONResponse(protocol.openai_error(f"{where}: {err['msg']}", where or None), status_code=400)
+
+        @app.get("/health")
+        async def health() -> Response:
+            return Response(status_code=200)
+
+        @app.get("/health_generate")
+        async def health_generate() -> Response:
+            stream = self._submit(f"HEALTH_CHECK_{uuid.uuid4().hex}", [tokenizer.BOS], 1)
+
+            async def drain() -> None:
+                async for _ in self._tokens(stream):
+                    pass
+
+            try:
+                await asyncio.wait_for(drain(), timeout=20)
+            except asyncio.TimeoutError:
+                return Response(status_code=503)
+            return Response(status_code=200)
+
+        @app.get("/v1/models")
+        async def models() -> dict[str, Any]:
+            return {
+                "object": "list",
+                "data": [{
+                    "id": cfg.model_name, "object": "model", "created": int(self.started_at),
+                    "owned_by": "sglang", "root": cfg.model_name, "parent": None,
+                    "max_model_len": self.engine.config.context_length,
+                }],
+            }
+
+        async def model_info() -> dict[str, Any]:
+            return {
+                "model_path": cfg.model_name,
+                "served_model_name": cfg.model_name,
+                "tokenizer_path": cfg.model_name,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": "llama",
+                "architectures": ["LlamaForCausalLM"],
+            }
+
+        async def server_info() -> dict[str, Any]:
+            stats = self.engine.stats()
+            return {
+                **self._server_args(),
+                "kv_events": self._kv_events_info(),
+                "internal_states": [{
+                    "last_gen_throughput": self._load_snapshot()["gen_throughput"],
+                    "max_total_num_tokens": self.engine.max_total_num_tokens,
+                    "token_usage": stats.token_usage,
+                }],
+                "version": SGLANG_VERSION,
+                "frontend": "python",
+                "sim": self.stats_json(),
+            }
+
+        for path, fn in (("/model_info", model_info), ("/get_model_info", model_info),
+                         ("/server_info", server_info), ("/get_server_info", server_info)):
+            app.add_api_route(path, fn, methods=["GET"])
+
+        @app.get("/sim/stats")
+        async def sim_stats() -> dict[str, Any]:
+            return self.stats_json()
+
+        @app.get("/v1/loads")
+        async def loads(dp_rank: int | None = None, include: str | None = None, format: str | None = None) -> Any:
+            sections = {s.strip() for s in include.split(",")} if include else None
+            valid = {"core", "memory", "spec", "lora", "disagg", "queues", "all"}
+            if sections is not None and not sections <= valid:
+                raise protocol.BadRequest(
+                    f"Invalid include sections: {sorted(sections - valid)}. Valid options: {sorted(valid)}", "include"
+                )
+            snap = self._load_snapshot()
+            if dp_rank is not None and dp_rank != snap["dp_rank"]:
+                raise protocol.BadRequest(f"dp_rank {dp_rank} out of range (this worker is rank {snap['dp_rank']})", "dp_rank")
+            load: dict[str, Any] = dict(snap)
+            want = (lambda name: True) if sections is None or "all" in sections else (lambda name: name in sections)
+            if want("memory"):
+                load["memory"] = {
+                    "weight_gb": 14.96, "kv_cache_gb": round(self.engine.max_total_num_tokens * 131072 / 2**30, 3),
+                    "graph_gb": 0.5, "token_capacity": self.engine.max_total_num_tokens,
+                }
+            if want("queues"):
+                load["queues"] = {"waiting": snap["num_waiting_reqs"], "grammar": 0, "paused": 0,
+                                  "retracted": 0, "prealloc_ready": 0}
+            if format == "prometheus":
+                lines = []
+                for key, value in load.items():
+                    if key == "dp_rank" or isinstance(value, dict) or not isinstance(value, (int, float)):
+                        continue
+                    lines += [f"# TYPE sglang_{key} gauge", f'sglang_{key}{{dp_rank="{snap["dp_rank"]}"}} {value}']
+                return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8")
+            return {
+                "timestamp": datetime.now(timezone.utc).isoformat(),
+                "version": SGLANG_VERSION,
+                "accelerator": "NVIDIA H100 80GB HBM3",
+                "num_accelerators": 1,
+                "loads": [load],
+            }
+
+        @app.get("/get_load")
+        async def get_load() -> list[dict[str, Any]]:
+            # the legacy shape (≤ 0.5.12) that sglang-router's power_of_two reads (`num_tokens`)
+            snap = self._load_snapshot()
+            return [{
+                "dp_rank": snap["dp_rank"],
+                "num_reqs": snap["num_running_reqs"] + snap["num_waiting_reqs"],
+                "num_waiting_reqs": snap["num_waiting_reqs"],
+                "num_tokens": snap["num_total_tokens"],
+                "num_pending_tokens": snap["num_total_tokens"] - snap["num_used_tokens"],
+                "ts_tic": time.perf_counter(),
+            }]
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(self.metrics.render(self.engine.stats()), media_type=PROM_CONTENT_TYPE)
+
+        @app.api_route("/flush_cache", methods=["GET", "POST"])
+        async def flush_cache() -> Response:
+            if self.engine.flush_cache():
+                return Response("Cache flushed.\nPlease check backend logs for more details. "
+                                "(When there are running or waiting requests, the operation will not be performed.)\n")
+            return Response("Cache not flushed: requests are running or waiting.\n", status_code=400)
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request) -> Response:
+            body = protocol.parse_body(await request.body(), protocol.ChatCompletionRequest)
+            max_new = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+            if max_new is None:
+                max_new = self.engine.config.default_max_new_tokens
+            stream = self._submit(body.rid, protocol.chat_input_ids(body), max_new)
+            model = body.model or cfg.model_name
+            if body.stream:
+                usage = bool(body.stream_options and body.stream_options.include_usage)
+                return StreamingResponse(self._chat_sse(stream, model, usage), media_type="text/event-stream",
+                                         headers=_SSE_HEADERS)
+            finish = "length"
+            async for out in self._tokens(stream):
+                finish = out.finish_reason or finish
+            self._account(stream, streaming=False)
+            req = stream.req
+            return JSONResponse({
+                "id": req.rid, "object": "chat.completion", "created": _now_s(), "model": model,
+                "choices": [{
+                    "index": 0,
+                    "message": {"role": "assistant", "content": tokenizer.decode(req.output_ids),
+                                "reasoning_content": None, "tool_calls": None},
+                    "logprobs": None, "finish_reason": finish, "matched_stop": None,
+                }],
+                "usage": self._usage(req),
+                "metadata": {"weight_version": "default"},
+            })
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            body = protocol.parse_body(await request.body(), protocol.CompletionRequest)
+            ids = protocol.completion_input_ids(body)
+            stream = self._submit(body.rid, ids, body.max_tokens)
+            model = body.model or cfg.model_name
+            if body.stream:
+                usage = bool(body.stream_options and body.stream_options.include_usage)
+                return StreamingResponse(self._completion_sse(stream, model, usage), media_type="text/event-stream",
+                                         headers=_SSE_HEADERS)
+            finish = "length"
+            async for out in self._tokens(stream):
+                finish = out.finish_reason or finish
+            self._account(stream, streaming=False)
+            req = stream.req
+            return JSONResponse({
+                "id": req.rid, "object": "text_completion", "created": _now_s(), "model": model,
+                "choices": [{"index": 0, "text": tokenizer.decode(req.output_ids), "logprobs": None,
+                             "finish_reason": finish, "matched_stop": None}],
+                "usage": self._usage(req),
+            })
+
+        @app.api_route("/generate", methods=["POST", "PUT"])
+        async def generate(request: Request) -> Response:
+            body = protocol.parse_body(await request.body(), protocol.GenerateRequest)
+            ids = protocol.generate_input_ids(body)
+            sp = body.sampling_params
+            max_new = sp.max_new_tokens if sp is not None and sp.max_new_tokens is not None else None
+            if max_new is None:
+                max_new = self.engine.config.default_max_new_tokens
+            stream = self._submit(body.rid, ids, max_new)
+            if body.stream:
+                return StreamingResponse(self._generate_sse(stream), media_type="text/event-stream",
+                                         headers=_SSE_HEADERS)
+            finish: str | None = None
+            async for out in self._tokens(stream):
+                finish = out.finish_reason or finish
+            self._account(stream, streaming=False)
+            req = stream.req
+            return JSONResponse({
+                "text": tokenizer.decode(req.output_ids),
+                "output_ids": list(req.output_ids),
+                "meta_info": self._meta_info(stream, finish),
+            })
+
+        return app
+
+    # -------------------------------------------------------------- SSE bodies
+
+    async def _chat_sse(self, stream: _Stream, model: str, include_usage: bool) -> AsyncIterator[bytes]:
+        rid, created = stream.req.rid, _now_s()
+
+        def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+            return _sse({
+                "id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish,
+                             "matched_stop": None}],
+                "usage": None,
+            })
+
+        yield chunk({"role": "assistant", "content": ""})
+        finish = "length"
+        async for out in self._tokens(stream):
+            if out.token_id is not None:
+                yield chunk({"content": tokenizer.decode_token(out.token_id)})
+            if out.finished:
+                finish = out.finish_reason or finish
+        yield chunk({}, finish)
+        self._account(stream, streaming=True)
+        if include_usage:
+            yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                        "choices": [], "usage": self._usage(stream.req)})
+        yield _DONE
+
+    async def _completion_sse(self, stream: _Stream, model: str, include_usage: bool) -> AsyncIterator[bytes]:
+        rid, created = stream.req.rid, _now_s()
+
+        def chunk(text: str, finish: str | None = None) -> bytes:
+            return _sse({
+                "id": rid, "object": "text_completion", "created": created, "model": model,
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
+                             "matched_stop": None}],
+                "usage": None,
+            })
+
+        finish = "length"
+        async for out in self._tokens(stream):
+            if out.token_id is not None:
+                yield chunk(tokenizer.decode_token(out.token_id))
+            if out.finished:
+                finish = out.finish_reason or finish
+        yield chunk("", finish)
+        self._account(stream, streaming=True)
+        if include_usage:
+            yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                        "choices": [], "usage": self._usage(stream.req)})
+        yield _DONE
+
+    async def _generate_sse(self, stream: _Stream) -> AsyncIterator[bytes]:
+        req = stream.req
+        text = ""
+        async for out in self._tokens(stream):
+            if out.token_id is not None:
+                text += tokenizer.decode_token(out.token_id)
+            yield _sse({
+                "text": text,
+                "output_ids": list(req.output_ids),
+                "meta_info": self._meta_info(stream, out.finish_reason if out.finished else None),
+            })
+        self._account(stream, streaming=True)
+        yield _DONE
+
+
+# ------------------------------------------------------------------------------ running it
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn that ends open streams as soon as a stop signal arrives (exit within ~1 s)."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._on_exit)
+
+
+def serve(config: SimConfig) -> None:
+    """Run one simulated worker until SIGTERM/SIGINT; sockets are closed before returning."""
+    server = SimServer(config)
+
+    def _exit_quietly(signum: int, frame: FrameType | None) -> None:
+        # uvicorn re-raises the stop signal after its shutdown; end with status 0 instead of a
+        # KeyboardInterrupt traceback or death by SIGTERM.
+        raise SystemExit(0)
+
+    previous = {sig: signal.signal(sig, _exit_quietly) for sig in (signal.SIGTERM, signal.SIGINT)}
+    uv_config = uvicorn.Config(
+        server.app,
+        host=config.host,
+        port=config.port,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=config.shutdown_grace_s,  # type: ignore[arg-type]
+    )
+    try:
+        _Uvicorn(uv_config, server.begin_shutdown).run()
+    finally:
+        server.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
