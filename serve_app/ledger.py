@@ -1,0 +1,322 @@
+"""The router's in-flight ledger: what it dispatched to each worker that the worker's reports can't show yet.
+
+Worker metrics arrive late (SGLang reports per prefill batch and every 40 decode steps) and stop
+when a worker goes idle, so between two reports every router would herd onto the same "least
+loaded" worker. The ledger counts each dispatch from `on_routed` until `on_finished`/`on_failed`.
+A report produced at time T absorbs the dispatches routed before T − `report_latency_s` (they are
+now in its `running`/`waiting`/`kv_active` figures); the rest stays *pending* and is added on top of
+the report. For an `idle` worker the report is not load at all, so every in-flight request counts.
+
+Per request, in blocks of the router's block size:
+- prefill blocks = prompt blocks − cached blocks, counted until the first token (`on_first_token`);
+- KV blocks = the same new blocks, counted until the request ends (the engine holds them).
+
+Router replicas share their pending counts (`export` / `merge_remote`) so they don't herd on each
+other either. Every event is O(1) amortised; the ledger is for one asyncio loop (not thread-safe).
+All times are on the ledger's clock (`time.monotonic` by default).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, replace
+from typing import Callable, Iterable, Mapping, NamedTuple
+
+from serve_app.policies.base import WorkerView
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerConfig:
+    """Every number of the ledger, with its reason."""
+
+    report_latency_s: float = 0.1
+    """A report produced at T shows only dispatches routed before T − this (HTTP transit,
+    tokenization and the scheduler's next iteration come first). Larger is safer: a dispatch
+    counted twice for a moment only makes its worker look busier."""
+    remote_ttl_s: float = 2.0
+    """Another replica's counts are dropped when not refreshed for this long (it died)."""
+    max_request_age_s: float = 3600.0
+    """A request not finished after this long is forgotten (a lost `on_finished` must not leave a
+    worker looking busy forever)."""
+
+
+class LedgerView(NamedTuple):
+    """What the ledger adds to one worker's report (blocks in router blocks)."""
+
+    in_flight: int  # this replica's in-flight requests, all of them
+    pending: int  # of those, the ones the report can't show (idle: all)
+    pending_prefill_blocks: int  # prompt blocks of pending requests not yet past first token
+    pending_kv_blocks: int  # KV blocks of pending requests
+    remote_pending: int  # other replicas' pending requests on this worker
+
+
+class _Req:
+    __slots__ = ("worker", "routed_at", "prefill", "kv", "prefilled", "absorbed", "done")
+
+    def __init__(self, worker: str, routed_at: float, prefill: int, kv: int) -> None:
+        self.worker = worker
+        self.routed_at = routed_at
+        self.prefill = prefill
+        self.kv = kv
+        self.prefilled = False
+        self.absorbed = False
+        self.done = False
+
+
+class _Worker:
+    __slots__ = ("in_flight", "prefill", "kv", "pending", "pending_prefill", "pending_kv",
+                 "queue", "reported_at")
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.prefill = 0  # all in-flight, not yet prefilled
+        self.kv = 0  # all in-flight
+        self.pending = 0  # not absorbed by a report
+        self.pending_prefill = 0
+        self.pending_kv = 0
+        self.queue: deque[_Req] = deque()  # not-yet-absorbed requests in routing order
+        self.reported_at = float("-inf")
+
+
+class Ledger:
+    """Per-worker in-flight bookkeeping of one router replica. Call, per request:
+
+    `on_routed` when the worker is chosen (before the upstream call), `on_first_token` when the first
+    response byte/token arrives (prefill done), then exactly one of `on_finished` (stream ended,
+    any status) or `on_failed` (never reached the worker or broke before finishing). Per worker
+    report: `on_report(worker, at)` with the time the report was produced. Unknown or repeated
+    request ids are ignored, so calling the end hooks from `finally` blocks is safe.
+    """
+
+    def __init__(
+        self,
+        config: LedgerConfig | None = None,
+        *,
+        replica_id: str = "local",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config or LedgerConfig()
+        self.replica_id = replica_id
+        self._clock = clock
+        self._reqs: OrderedDict[str, _Req] = OrderedDict()  # routing order, for the age sweep
+        self._workers: dict[str, _Worker] = {}
+        self._remote: dict[str, tuple[float, dict[str, int]]] = {}
+        self._remote_sum: dict[str, int] = {}
+        self._dirty: set[str] = set()
+        self.forgotten = 0  # requests dropped by the age sweep (a counter for /metrics)
+
+    # -- the moments of a request ------------------------------------------------------------
+
+    def on_routed(
+        self, request_id: str, worker: str, prompt_blocks: int, cached_blocks: int = 0
+    ) -> None:
+        """The request was sent to `worker`; `cached_blocks` of its prompt are believed cached there."""
+        now = self._clock()
+        if request_id in self._reqs:
+            self._end(request_id)  # a retry on another worker reuses the id
+        new = max(0, prompt_blocks - max(0, cached_blocks))
+        r = _Req(worker, now, new, new)
+        self._reqs[request_id] = r
+        w = self._workers.get(worker)
+        if w is None:
+            w = self._workers[worker] = _Worker()
+        w.in_flight += 1
+        w.prefill += new
+        w.kv += new
+        w.pending += 1
+        w.pending_prefill += new
+        w.pending_kv += new
+        w.queue.append(r)
+        self._dirty.add(worker)
+        self._sweep(now)
+
+    def on_first_token(self, request_id: str) -> None:
+        """Prefill is done: the request's prompt no longer costs prefill work (its KV stays)."""
+        r = self._reqs.get(request_id)
+        if r is None or r.prefilled:
+            return
+        r.prefilled = True
+        w = self._workers.get(r.worker)
+        if w is None:
+            return
+        w.prefill -= r.prefill
+        if not r.absorbed:
+            w.pending_prefill -= r.prefill
+        self._dirty.add(r.worker)
+
+    def on_finished(self, request_id: str) -> None:
+        """The response ended (completed, cancelled or errored after reaching the worker)."""
+        self._end(request_id)
+
+    def on_failed(self, request_id: str) -> None:
+        """The request never ran to completion on the worker (connect error, reset before the end)."""
+        self._end(request_id)
+
+    # -- reports -----------------------------------------------------------------------------
+
+    def on_report(self, worker: str, at: float) -> None:
+        """`worker` produced a report at `at` (ledger clock): dispatches routed before
+        `at − report_latency_s` are in it now and stop counting as pending. Older reports than the
+        last one are ignored."""
+        w = self._workers.get(worker)
+        if w is None:
+            w = self._workers[worker] = _Worker()
+        if at <= w.reported_at:
+            return
+        w.reported_at = at
+        cutoff = at - self.config.report_latency_s
+        q = w.queue
+        changed = False
+        while q and q[0].routed_at <= cutoff:
+            r = q.popleft()
+            if r.done or r.absorbed:
+                continue
+            r.absorbed = True
+            w.pending -= 1
+            if not r.prefilled:
+                w.pending_prefill -= r.prefill
+            w.pending_kv -= r.kv
+            changed = True
+        if changed:
+            self._dirty.add(worker)
+
+    # -- what policies see -------------------------------------------------------------------
+
+    def view(self, worker: str, *, idle: bool = False) -> LedgerView:
+        """The ledger's figures for `worker`; `idle=True` when its report is not load (all count)."""
+        remote = self._remote_sum.get(worker, 0)
+        w = self._workers.get(worker)
+        if w is None:
+            return LedgerView(0, 0, 0, 0, remote)
+        if idle:
+            return LedgerView(w.in_flight, w.in_flight, w.prefill, w.kv, remote)
+        return LedgerView(w.in_flight, w.pending, w.pending_prefill, w.pending_kv, remote)
+
+    def in_flight(self, worker: str) -> int:
+        w = self._workers.get(worker)
+        return w.in_flight if w is not None else 0
+
+    def apply(self, view: WorkerView) -> WorkerView:
+        """`view` (reported figures from the snapshot) with the ledger's figures filled in; an
+        `idle` worker's reported activity is zeroed and all its in-flight requests count."""
+        idle = view.state == "idle"
+        lv = self.view(view.name, idle=idle)
+        if idle:
+            return replace(
+                view, running=0, waiting=0, kv_active_blocks=0, in_flight=lv.in_flight,
+                pending=lv.pending, pending_prefill_blocks=lv.pending_prefill_blocks,
+                pending_kv_blocks=lv.pending_kv_blocks, remote_pending=lv.remote_pending,
+            )
+        return replace(
+            view, in_flight=lv.in_flight, pending=lv.pending,
+            pending_prefill_blocks=lv.pending_prefill_blocks,
+            pending_kv_blocks=lv.pending_kv_blocks, remote_pending=lv.remote_pending,
+        )
+
+    def take_dirty(self) -> set[str]:
+        """Workers whose ledger figures changed since the last call (rebuild only their views)."""
+        self.expire_remote()
+        d, self._dirty = self._dirty, set()
+        return d
+
+    def remove_worker(self, worker: str) -> None:
+        """Forget a worker that left the fleet; its requests' later end hooks are ignored."""
+        w = self._workers.pop(worker, None)
+        if w is not None:
+            for r in w.queue:
+                r.done = True
+        for rid in [rid for rid, r in self._reqs.items() if r.worker == worker]:
+            self._reqs.pop(rid).done = True
+        self._dirty.add(worker)
+
+    # -- sharing across router replicas ------------------------------------------------------
+
+    def export(self) -> dict[str, int]:
+        """This replica's pending counts per worker (only non-zero), for the other replicas.
+
+        Pending, not in-flight: the other replicas see the same reports, so only what the reports
+        don't show yet is news to them."""
+        return {name: w.pending for name, w in self._workers.items() if w.pending}
+
+    def merge_remote(self, replica_id: str, counts: Mapping[str, int], at: float | None = None) -> None:
+        """Replace replica `replica_id`'s counts (from its `export`), received at `at` (ledger clock)."""
+        if replica_id == self.replica_id:
+            return
+        at = self._clock() if at is None else at
+        old = self._remote.get(replica_id)
+        if old is not None:
+            if at < old[0]:
+                return
+            self._sub_remote(old[1])
+        fresh = {k: int(v) for k, v in counts.items() if int(v) > 0}
+        self._remote[replica_id] = (at, fresh)
+        for k, v in fresh.items():
+            self._remote_sum[k] = self._remote_sum.get(k, 0) + v
+            self._dirty.add(k)
+        self.expire_remote()
+
+    def expire_remote(self, now: float | None = None) -> None:
+        """Drop replicas not heard from for `remote_ttl_s` (cheap: replicas are few)."""
+        if not self._remote:
+            return
+        now = self._clock() if now is None else now
+        limit = now - self.config.remote_ttl_s
+        for rid in [rid for rid, (at, _) in self._remote.items() if at < limit]:
+            log.info("router replica %s silent for %.1fs: dropping its in-flight counts",
+                     rid, now - self._remote[rid][0])
+            self._sub_remote(self._remote.pop(rid)[1])
+
+    def _sub_remote(self, counts: Mapping[str, int]) -> None:
+        for k, v in counts.items():
+            left = self._remote_sum.get(k, 0) - v
+            if left > 0:
+                self._remote_sum[k] = left
+            else:
+                self._remote_sum.pop(k, None)
+            self._dirty.add(k)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _end(self, request_id: str) -> None:
+        r = self._reqs.pop(request_id, None)
+        if r is None or r.done:
+            return
+        r.done = True
+        w = self._workers.get(r.worker)
+        if w is None:
+            return
+        w.in_flight -= 1
+        w.kv -= r.kv
+        if not r.prefilled:
+            w.prefill -= r.prefill
+        if not r.absorbed:
+            w.pending -= 1
+            w.pending_kv -= r.kv
+            if not r.prefilled:
+                w.pending_prefill -= r.prefill
+            # finished entries stay in the queue until a report pops them; compact when they
+            # dominate (a worker that never reports must not grow the queue without bound)
+            if len(w.queue) > 2 * w.pending + 64:
+                w.queue = deque(x for x in w.queue if not x.done)
+        self._dirty.add(r.worker)
+
+    def _sweep(self, now: float) -> None:
+        limit = now - self.config.max_request_age_s
+        reqs = self._reqs
+        while reqs:
+            rid, r = next(iter(reqs.items()))
+            if r.routed_at >= limit:
+                return
+            log.warning("request %s on worker %s not finished after %.0fs: forgetting it",
+                        rid, r.worker, now - r.routed_at)
+            self.forgotten += 1
+            self._end(rid)
+
+
+def apply_all(ledger: Ledger, views: Iterable[WorkerView]) -> list[WorkerView]:
+    """Every view with the ledger applied (simple path; `Ledger.take_dirty` allows incremental)."""
+    return [ledger.apply(v) for v in views]

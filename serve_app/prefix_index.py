@@ -1,0 +1,273 @@
+"""Which worker likely holds which prompt prefix in its KV cache: block hash → workers.
+
+Two indexes answer the same question, `overlap(block_hashes) -> {worker: leading blocks held}`:
+
+- `PrefixIndex` (approximate): what this router sent where. `record(worker, hashes)` after each
+  dispatch; entries expire after `ttl_s` and the least recently used are evicted beyond
+  `max_entries`. Works with text-chunk hashes (`serve_app.request_facts`), needs no engine support.
+- `KvEventIndex` (exact): what the engines report caching, fed with SGLang KV events
+  (`actors.kv_events`). Engine block hashes are SHA-256 chains over token ids with a namespace,
+  not something a router should re-derive; instead the index re-hashes the `token_ids` every
+  `BlockStored` carries with the router's own `hasher` and keeps engine hash → own hash only to
+  follow parents and removals. So exact mode works whenever the router can tokenize prompts like
+  the engine (same tokenizer and chat template; e.g. `sim.tokenizer` for simulated workers) and
+  uses the engine's page size as block size: the router hashes the prompt's token ids with
+  `hash_token_blocks(ids, block_tokens, hasher)` — the same hasher the index uses.
+
+Both keep the invariant that a worker holding block i holds blocks 0..i (a radix cache evicts
+leaves first; `record` refreshes a whole prefix at once and touches it root-last so LRU eviction
+takes the deepest blocks first). `overlap` relies on it: per worker the longest held prefix is found
+by bisection over the nested holder sets, O(log blocks) dict probes per distinct match length —
+not O(workers × blocks).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from typing import Callable, Iterable, Sequence
+
+from actors.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+
+log = logging.getLogger(__name__)
+
+BlockHasher = Callable[[int, Sequence[int]], int]
+"""(parent block's hash — 0 for the first block —, this block's token ids) → this block's hash."""
+
+
+def default_block_hash(parent: int, tokens: Sequence[int]) -> int:
+    """Chained hash of one token block: deterministic across processes (ints hash to themselves)."""
+    return hash((parent, tuple(tokens)))
+
+
+def hash_token_blocks(
+    token_ids: Sequence[int], block_tokens: int, hasher: BlockHasher | None = None
+) -> list[int]:
+    """Chained hashes of the full `block_tokens`-sized blocks of `token_ids` (a partial tail is
+    not a block, as in the engine's paged cache)."""
+    h = hasher or default_block_hash
+    out: list[int] = []
+    parent = 0
+    for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
+        parent = h(parent, token_ids[start : start + block_tokens])
+        out.append(parent)
+    return out
+
+
+def _longest_prefixes(
+    n: int, holders: Callable[[int], frozenset[str] | set[str]]
+) -> dict[str, int]:
+    """Per worker, the number of leading positions 0..n-1 it holds, given nested holder sets
+    (holders(i) ⊇ holders(j) for i < j). Bisection between positions whose sets differ."""
+    if n <= 0:
+        return {}
+    first = holders(0)
+    if not first:
+        return {}
+    out: dict[str, int] = {}
+    last = first & holders(n - 1) if n > 1 else first
+    for w in last:
+        out[w] = n
+    if len(last) == len(first):
+        return out
+    stack = [(0, first, n - 1, last)]
+    while stack:
+        lo, s_lo, hi, s_hi = stack.pop()
+        if hi - lo == 1:
+            for w in s_lo - s_hi:
+                out[w] = hi
+            continue
+        mid = (lo + hi) // 2
+        s_mid = s_lo & holders(mid)
+        if len(s_mid) != len(s_lo):
+            stack.append((lo, s_lo, mid, s_mid))
+        if len(s_mid) != len(s_hi):
+            stack.append((mid, s_mid, hi, s_hi))
+    return out
+
+
+class PrefixIndex:
+    """Approximate prefix index of one router replica: block hash → {worker: last use}.
+
+    Memory is bounded by `max_entries` block hashes (each with the few workers holding it);
+    entries unused for `ttl_s` are dropped. `record` is O(blocks), `overlap` O(log blocks) probes.
+    """
+
+    def __init__(
+        self,
+        *,
+        ttl_s: float = 120.0,
+        max_entries: int = 262_144,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if ttl_s <= 0 or max_entries < 1:
+            raise ValueError("PrefixIndex needs ttl_s > 0 and max_entries ≥ 1")
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._clock = clock
+        self._entries: OrderedDict[int, dict[str, float]] = OrderedDict()  # LRU first
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def record(self, worker: str, block_hashes: Sequence[int], now: float | None = None) -> None:
+        """`worker` was sent a prompt with these blocks: it will hold them (refreshes their use)."""
+        now = self._clock() if now is None else now
+        entries = self._entries
+        move = entries.move_to_end
+        for h in reversed(block_hashes):  # root last: it becomes the most recently used
+            e = entries.get(h)
+            if e is None:
+                entries[h] = {worker: now}
+            else:
+                e[worker] = now
+                move(h)
+        self._evict(now)
+
+    def overlap(self, block_hashes: Sequence[int], now: float | None = None) -> dict[str, int]:
+        """Per worker, how many leading blocks of this prompt it holds (workers with none absent)."""
+        if not block_hashes:
+            return {}
+        now = self._clock() if now is None else now
+        cutoff = now - self.ttl_s
+        get = self._entries.get
+
+        def holders(i: int) -> set[str]:
+            e = get(block_hashes[i])
+            if not e:
+                return set()
+            return {w for w, t in e.items() if t >= cutoff}
+
+        return _longest_prefixes(len(block_hashes), holders)
+
+    def remove_worker(self, worker: str) -> None:
+        """Forget everything about `worker` (left the fleet, or down: its cache is gone). O(entries)."""
+        dead = []
+        for h, e in self._entries.items():
+            if e.pop(worker, None) is not None and not e:
+                dead.append(h)
+        for h in dead:
+            del self._entries[h]
+
+    def expire(self, now: float | None = None) -> None:
+        """Drop entries unused for `ttl_s` (also done on every `record`)."""
+        self._evict(self._clock() if now is None else now)
+
+    def _evict(self, now: float) -> None:
+        entries = self._entries
+        while len(entries) > self.max_entries:
+            entries.popitem(last=False)
+        cutoff = now - self.ttl_s
+        while entries:
+            h, e = next(iter(entries.items()))
+            if max(e.values()) >= cutoff:
+                return
+            del entries[h]
+
+
+class KvEventIndex:
+    """Exact prefix index from engine KV events, per worker (and attention-DP rank).
+
+    Apply each decoded batch with `apply(worker, batch.events, rank=batch.dp_rank)`; on a sequence
+    gap or restart (`actors.kv_events.SeqTracker`) call `clear(worker, rank)` before applying. Blocks
+    of a size other than `block_tokens`, or whose parent is unknown (stored before we listened), are
+    skipped and counted: they could never match a prompt hashed by the router.
+    """
+
+    def __init__(
+        self,
+        block_tokens: int,
+        *,
+        hasher: BlockHasher | None = None,
+        max_blocks_per_source: int = 4_000_000,
+    ) -> None:
+        self.block_tokens = block_tokens
+        self._hash = hasher or default_block_hash
+        self.max_blocks_per_source = max_blocks_per_source
+        # own hash → {worker: number of (rank, engine hash) entries holding it}
+        self._holders: dict[int, dict[str, int]] = {}
+        # (worker, rank) → engine hash → own hash
+        self._sources: dict[tuple[str, int], dict[int, int]] = {}
+        self.skipped_blocks = 0  # counters for /metrics
+        self.unknown_parents = 0
+
+    def __len__(self) -> int:
+        return len(self._holders)
+
+    def apply(self, worker: str, events: Iterable[KvEvent], rank: int = 0) -> None:
+        src = self._sources.get((worker, rank))
+        if src is None:
+            src = self._sources[(worker, rank)] = {}
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                self._stored(worker, src, ev)
+            elif isinstance(ev, BlockRemoved):
+                for eh in ev.block_hashes:
+                    own = src.pop(eh, None)
+                    if own is not None:
+                        self._drop(worker, own)
+            elif isinstance(ev, AllBlocksCleared):
+                self.clear(worker, rank)
+
+    def _stored(self, worker: str, src: dict[int, int], ev: BlockStored) -> None:
+        bs = ev.block_size
+        n = len(ev.block_hashes)
+        if bs != self.block_tokens or len(ev.token_ids) < n * bs:
+            self.skipped_blocks += n
+            return
+        if ev.parent_block_hash is None:
+            parent = 0
+        else:
+            parent = src.get(ev.parent_block_hash)
+            if parent is None:
+                self.unknown_parents += 1
+                self.skipped_blocks += n
+                return
+        toks = ev.token_ids
+        holders = self._holders
+        for k, eh in enumerate(ev.block_hashes):
+            own = self._hash(parent, toks[k * bs : (k + 1) * bs])
+            if eh not in src:
+                if len(src) >= self.max_blocks_per_source:
+                    self.skipped_blocks += n - k
+                    return
+                src[eh] = own
+                e = holders.get(own)
+                if e is None:
+                    holders[own] = {worker: 1}
+                else:
+                    e[worker] = e.get(worker, 0) + 1
+            parent = own
+
+    def _drop(self, worker: str, own: int) -> None:
+        e = self._holders.get(own)
+        if e is None:
+            return
+        c = e.get(worker, 0) - 1
+        if c > 0:
+            e[worker] = c
+        else:
+            e.pop(worker, None)
+            if not e:
+                del self._holders[own]
+
+    def clear(self, worker: str, rank: int | None = None) -> None:
+        """Drop what `worker` (one rank, or all its ranks) holds: cleared cache, gap, or restart."""
+        keys = [k for k in self._sources if k[0] == worker and (rank is None or k[1] == rank)]
+        for k in keys:
+            for own in self._sources.pop(k).values():
+                self._drop(worker, own)
+
+    def remove_worker(self, worker: str) -> None:
+        self.clear(worker)
+
+    def overlap(self, block_hashes: Sequence[int]) -> dict[str, int]:
+        """Per worker, how many leading blocks of this prompt it caches (workers with none absent)."""
+        get = self._holders.get
+
+        def holders(i: int) -> set[str]:
+            e = get(block_hashes[i])
+            return set(e) if e else set()
+
+        return _longest_prefixes(len(block_hashes), holders)
