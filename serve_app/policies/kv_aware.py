@@ -43,7 +43,7 @@ class KvAwareConfig:
 
     prefill_weight: float = 1.0
     """Weight of blocks still to prefill against KV blocks held (Dynamo's prefill_load_scale)."""
-    queued_request_blocks: float = 64.0
+    queued_request_blocks: float = 128.0
     """Cost of one request queued ahead: each reported waiting request and each one beyond the
     worker's slots (it waits for a running request to finish)."""
     remote_request_blocks: float = 32.0

@@ -1,0 +1,278 @@
+"""Routing policies: the registry, never-down, tie-breaking, and kv_aware's balance of affinity and load."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import FrozenInstanceError, replace
+from itertools import count
+
+import pytest
+
+from serve_app.ledger import Ledger
+from serve_app.policies import (
+    DEFAULT_POLICY,
+    POLICIES,
+    KvAware,
+    KvAwareConfig,
+    NoWorkerAvailable,
+    RouteRequest,
+    UnknownPolicy,
+    WorkerView,
+    get_policy,
+)
+from serve_app.prefix_index import PrefixIndex
+from serve_app.request_facts import facts_from_body
+
+ALL = sorted(POLICIES)
+
+
+def worker(name: str, state: str = "live", **kw) -> WorkerView:
+    base = dict(page_size=16, total_slots=16, kv_total_blocks=4096)
+    base.update(kw)
+    return WorkerView(name, f"http://{name}", state, **base)
+
+
+def fleet(n: int, **kw) -> list[WorkerView]:
+    return [worker(f"w{i}", **kw) for i in range(n)]
+
+
+def req(tokens: int = 1024, overlap: dict[str, int] | None = None) -> RouteRequest:
+    return RouteRequest(prompt_tokens=tokens, block_tokens=16, overlap=overlap or {})
+
+
+class Router:
+    """The router's decision loop, minus I/O: ledger → views, index → overlap, policy, bookkeeping."""
+
+    def __init__(self, policy: str, views: list[WorkerView], seed: int = 0) -> None:
+        self.policy = get_policy(policy)
+        self.views = views
+        self.rng = random.Random(seed)
+        self.t = 0.0
+        self.ledger = Ledger(clock=lambda: self.t)
+        self.index = PrefixIndex(clock=lambda: self.t)
+        self.ids = count()
+
+    def route(self, body: dict) -> tuple[str, str]:
+        self.t += 0.001
+        r = facts_from_body(body)
+        ov = self.index.overlap(r.block_hashes)
+        r = r.with_overlap(ov)
+        d = self.policy.choose(r, [self.ledger.apply(v) for v in self.views], self.rng)
+        rid = f"r{next(self.ids)}"
+        self.ledger.on_routed(rid, d.worker, r.prompt_blocks, ov.get(d.worker, 0))
+        self.index.record(d.worker, r.block_hashes)
+        return d.worker, rid
+
+
+def chat(*contents: str) -> dict:
+    roles = ["system"] + ["user", "assistant"] * len(contents)
+    return {"messages": [{"role": r, "content": c} for r, c in zip(roles, contents)]}
+
+
+# -- registry -------------------------------------------------------------------------------
+
+
+def test_registry_names_the_five_policies_and_defaults_to_kv_aware():
+    assert set(POLICIES) == {"round_robin", "random", "power_of_two", "least_loaded", "kv_aware"}
+    assert DEFAULT_POLICY == "kv_aware"
+    for name in ALL:
+        assert get_policy(name).name == name
+
+
+def test_unknown_policy_error_lists_the_valid_names():
+    with pytest.raises(UnknownPolicy) as e:
+        get_policy("cache_aware")
+    assert isinstance(e.value, ValueError)
+    assert "cache_aware" in str(e.value)
+    for name in ALL:
+        assert name in str(e.value)
+
+
+# -- every policy ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_no_policy_ever_picks_a_down_worker(name):
+    ws = [worker("up1"), worker("dead", "down"), worker("up2", "idle"), worker("dead2", "down")]
+    # make the down ones look like the best choice by every other measure
+    ws = [replace(w, running=0) if w.state == "down" else replace(w, running=9, waiting=5) for w in ws]
+    policy = get_policy(name)
+    picks = {policy.choose(req(overlap={"dead": 64}), ws, random.Random(s)).worker for s in range(200)}
+    assert picks <= {"up1", "up2"} and picks
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_all_down_or_empty_fleet_raises_no_worker_available(name):
+    with pytest.raises(NoWorkerAvailable, match="w0=down"):
+        get_policy(name).choose(req(), [worker("w0", "down")], random.Random(0))
+    with pytest.raises(NoWorkerAvailable, match="no workers registered"):
+        get_policy(name).choose(req(), [], random.Random(0))
+
+
+@pytest.mark.parametrize("name", ["random", "least_loaded", "power_of_two", "kv_aware"])
+def test_ties_are_broken_uniformly_at_random(name):
+    ws = fleet(4)
+    counts = Counter(get_policy(name).choose(req(), ws, random.Random(s)).worker for s in range(800))
+    assert set(counts) == {"w0", "w1", "w2", "w3"}
+    assert all(140 <= c <= 260 for c in counts.values()), counts
+
+
+def test_round_robin_cycles_in_fleet_order_skipping_down_workers():
+    rr = get_policy("round_robin")
+    ws = [worker("a"), worker("b", "down"), worker("c"), worker("d", "idle")]
+    picks = [rr.choose(req(), ws, random.Random(0)).worker for _ in range(7)]
+    assert picks == ["a", "c", "d", "a", "c", "d", "a"]
+
+
+def test_round_robin_keeps_its_cycle_per_instance():
+    a, b = get_policy("round_robin"), get_policy("round_robin")
+    ws = fleet(3)
+    assert [a.choose(req(), ws, random.Random(0)).worker for _ in range(2)] == ["w0", "w1"]
+    assert b.choose(req(), ws, random.Random(0)).worker == "w0"
+
+
+def test_power_of_two_picks_the_less_loaded_of_its_two_samples():
+    ws = [worker("busy", running=10), worker("calm", running=2)]
+    p2 = get_policy("power_of_two")
+    assert {p2.choose(req(), ws, random.Random(s)).worker for s in range(50)} == {"calm"}
+    # with three workers the most loaded one always loses its comparison
+    ws3 = ws + [worker("mid", running=5)]
+    picks = Counter(p2.choose(req(), ws3, random.Random(s)).worker for s in range(300))
+    assert picks["busy"] == 0 and picks["calm"] > picks["mid"] > 0
+
+
+def test_least_loaded_counts_the_routers_own_pending_dispatches():
+    ws = [worker("a", running=2), worker("b", running=1, pending=3)]
+    d = get_policy("least_loaded").choose(req(), ws, random.Random(0))
+    assert d.worker == "a"
+
+
+# -- kv_aware ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["kv_aware", "least_loaded"])
+def test_burst_of_distinct_prompts_spreads_over_equal_workers(name):
+    # 16 distinct prompts arrive between two reports: only the ledger knows what was sent
+    r = Router(name, fleet(4))
+    picks = Counter(r.route(chat(f"prompt {i} " * 300, "go"))[0] for i in range(16))
+    assert max(picks.values()) <= 8
+    assert sorted(picks.values()) == [4, 4, 4, 4]
+
+
+def test_shared_system_prompt_stays_on_one_worker_while_it_has_room():
+    r = Router("kv_aware", fleet(4, total_slots=8))
+    system = "You are a helpful assistant with a very long policy. " * 300  # ~4k tokens
+    first = [r.route(chat(system, f"question {i}"))[0] for i in range(6)]
+    assert len(set(first)) == 1
+
+
+def test_shared_system_prompt_spreads_once_its_worker_saturates():
+    r = Router("kv_aware", fleet(4, total_slots=8))
+    system = "You are a helpful assistant with a very long policy. " * 300
+    picks = [r.route(chat(system, f"question {i}"))[0] for i in range(40)]
+    hot = picks[0]
+    assert picks[:8] == [hot] * 8  # fills its slots first: prefill is nearly free there
+    assert len(set(picks)) == 4  # then the prefix spreads over the fleet
+    assert Counter(picks)[hot] < 20
+
+
+def test_affine_worker_that_reports_saturation_is_passed_over():
+    ws = [worker("hot", running=16, waiting=6), worker("cold1"), worker("cold2")]
+    d = KvAware().choose(req(4096, {"hot": 250}), ws, random.Random(0))
+    assert d.worker in {"cold1", "cold2"}
+
+
+def test_affinity_wins_among_near_minimum_workers_even_if_slightly_busier():
+    ws = [worker("affine", kv_active_blocks=10), worker("idle1"), worker("idle2")]
+    # 64-block prompt, 60 cached on "affine": cheaper anyway
+    assert KvAware().choose(req(1024, {"affine": 60}), ws, random.Random(0)).worker == "affine"
+    # 2 cached blocks only: affine costs a bit more than the others but is within tolerance
+    d = KvAware().choose(req(1024, {"affine": 2}), ws, random.Random(0))
+    assert d.worker == "affine"
+    assert "overlap=2/64" in d.reason
+
+
+def test_affinity_never_beats_load_beyond_tolerance():
+    ws = [worker("affine", kv_active_blocks=2000, running=12), worker("other")]
+    d = KvAware().choose(req(1024, {"affine": 8}), ws, random.Random(0))
+    assert d.worker == "other"
+
+
+def test_multi_turn_conversation_stays_on_its_worker():
+    r = Router("kv_aware", fleet(4))
+    turns: list[str] = ["You are terse. " * 50]
+    home = None
+    for t in range(8):
+        turns += [f"user turn {t}: " + "tell me more " * 40, f"answer {t} " * 60]
+        w, rid = r.route(chat(*turns[:-1]))
+        r.ledger.on_first_token(rid)
+        # unrelated traffic keeps the other workers about as busy
+        for k in range(3):
+            r.route(chat(f"other conversation {t}-{k} " * 80))
+        home = home or w
+        assert w == home, f"turn {t} moved from {home} to {w}"
+
+
+def test_decision_reason_states_overlap_and_cost():
+    d = KvAware().choose(req(640, {"w1": 12}), fleet(3), random.Random(0))
+    assert d.worker == "w1" and d.policy == "kv_aware"
+    assert d.reason.startswith("overlap=12/40 blocks, cost=")
+
+
+def test_idle_workers_stale_busy_report_is_not_load_but_its_in_flight_is():
+    ledger = Ledger(clock=lambda: 0.0)
+    stale = worker("stale", "idle", running=16, waiting=9, kv_active_blocks=4000)
+    live = worker("live", running=3, kv_active_blocks=300)
+    pick = KvAware().choose(req(), [ledger.apply(stale), ledger.apply(live)], random.Random(0))
+    assert pick.worker == "stale"  # its last (busy) report is not load any more
+    for i in range(6):
+        ledger.on_routed(f"r{i}", "stale", 64)
+        ledger.on_first_token(f"r{i}")
+    ledger.on_report("stale", 10.0)  # even a report would not make these invisible: it's idle
+    pick = KvAware().choose(req(), [ledger.apply(stale), ledger.apply(live)], random.Random(0))
+    assert pick.worker == "live"
+
+
+def test_kv_over_the_high_watermark_is_penalised():
+    ws = [worker("full", kv_active_blocks=3900), worker("roomy", kv_active_blocks=3200, waiting=6)]
+    assert KvAware().choose(req(1024), ws, random.Random(0)).worker == "roomy"
+    cfg = KvAwareConfig(kv_overflow_weight=0.0)
+    assert KvAware(cfg).choose(req(1024), ws, random.Random(0)).worker == "full"
+
+
+def test_costs_are_normalised_by_capacity_on_heterogeneous_fleets():
+    small = worker("small", kv_total_blocks=1000, kv_active_blocks=100)
+    big = worker("big", kv_total_blocks=3000, kv_active_blocks=250)  # 2.5× the load, 3× the room
+    assert KvAware().choose(req(160), [small, big], random.Random(0)).worker == "big"
+    flat = KvAware(KvAwareConfig(normalize_by_capacity=False))
+    assert flat.choose(req(160), [small, big], random.Random(0)).worker == "small"
+
+
+def test_other_replicas_pending_dispatches_steer_away_from_their_worker():
+    ws = fleet(2)
+    mine = Ledger(replica_id="a", clock=lambda: 0.0)
+    theirs = Ledger(replica_id="b", clock=lambda: 0.0)
+    for i in range(3):
+        theirs.on_routed(f"b{i}", "w0", 64)
+    mine.merge_remote("b", theirs.export(), at=0.0)
+    picks = {KvAware().choose(req(), [mine.apply(w) for w in ws], random.Random(s)).worker
+             for s in range(50)}
+    assert picks == {"w1"}
+
+
+def test_kv_aware_config_is_frozen_and_validated():
+    cfg = KvAwareConfig()
+    with pytest.raises(FrozenInstanceError):
+        cfg.tolerance = 1.0  # type: ignore[misc]
+    with pytest.raises(ValueError, match="kv_high_watermark"):
+        KvAwareConfig(kv_high_watermark=1.5)
+    with pytest.raises(ValueError, match="prefill_weight"):
+        KvAwareConfig(prefill_weight=-1)
+
+
+def test_kv_aware_docstring_states_the_formula():
+    import serve_app.policies.kv_aware as mod
+
+    for term in ("prefill_weight", "queued_request_blocks", "kv_high_watermark", "tolerance"):
+        assert term in mod.__doc__
