@@ -1,0 +1,165 @@
+"""The in-flight ledger: what the router dispatched that the workers' reports can't show yet."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from serve_app.ledger import Ledger, LedgerConfig, LedgerView
+from serve_app.policies import WorkerView
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def ledger(clock: Clock) -> Ledger:
+    return Ledger(LedgerConfig(report_latency_s=0.1, remote_ttl_s=2.0), replica_id="me", clock=clock)
+
+
+def test_a_routed_request_counts_prefill_and_kv_until_it_ends(ledger):
+    ledger.on_routed("r1", "w", prompt_blocks=40, cached_blocks=30)
+    assert ledger.view("w") == LedgerView(in_flight=1, pending=1, pending_prefill_blocks=10,
+                                          pending_kv_blocks=10, remote_pending=0)
+    ledger.on_first_token("r1")  # prefill done: KV stays held until the end
+    assert ledger.view("w") == LedgerView(1, 1, 0, 10, 0)
+    ledger.on_finished("r1")
+    assert ledger.view("w") == LedgerView(0, 0, 0, 0, 0)
+
+
+def test_failed_and_unknown_and_repeated_end_hooks_are_harmless(ledger):
+    ledger.on_routed("r1", "w", 8)
+    ledger.on_failed("r1")
+    ledger.on_failed("r1")
+    ledger.on_finished("r1")
+    ledger.on_first_token("nope")
+    ledger.on_finished("nope")
+    assert ledger.view("w") == LedgerView(0, 0, 0, 0, 0)
+
+
+def test_a_retry_with_the_same_id_moves_the_request_to_the_new_worker(ledger):
+    ledger.on_routed("r1", "a", 8)
+    ledger.on_routed("r1", "b", 8)
+    assert ledger.in_flight("a") == 0 and ledger.in_flight("b") == 1
+
+
+def test_a_report_absorbs_dispatches_routed_before_it_minus_latency(ledger, clock):
+    ledger.on_routed("old", "w", 10)
+    clock.t += 0.5
+    ledger.on_routed("recent", "w", 20)
+    clock.t += 0.05
+    ledger.on_report("w", at=clock.t)  # "recent" is only 50 ms old: maybe not in the report yet
+    v = ledger.view("w")
+    assert v.in_flight == 2  # still in flight, both
+    assert (v.pending, v.pending_prefill_blocks, v.pending_kv_blocks) == (1, 20, 20)
+    clock.t += 0.2
+    ledger.on_report("w", at=clock.t)
+    assert ledger.view("w") == LedgerView(2, 0, 0, 0, 0)
+    ledger.on_finished("old")
+    ledger.on_finished("recent")
+    assert ledger.view("w") == LedgerView(0, 0, 0, 0, 0)
+
+
+def test_reports_older_than_the_last_one_are_ignored(ledger, clock):
+    ledger.on_routed("r", "w", 10)
+    clock.t += 1
+    ledger.on_report("w", at=clock.t - 0.5)
+    assert ledger.view("w").pending == 0
+    ledger.on_routed("r2", "w", 10)
+    ledger.on_report("w", at=clock.t - 0.8)  # out of order: changes nothing
+    assert ledger.view("w").pending == 1
+
+
+def test_idle_worker_counts_every_in_flight_request_even_absorbed_ones(ledger, clock):
+    ledger.on_routed("r1", "w", 10)
+    ledger.on_routed("r2", "w", 6)
+    ledger.on_first_token("r2")
+    clock.t += 1
+    ledger.on_report("w", at=clock.t)
+    assert ledger.view("w").pending == 0
+    assert ledger.view("w", idle=True) == LedgerView(2, 2, 10, 16, 0)
+
+
+def test_apply_zeroes_an_idle_workers_stale_report_but_keeps_capacity_and_in_flight(ledger):
+    ledger.on_routed("r1", "w", 10)
+    stale = WorkerView("w", "u", "idle", page_size=16, running=40, total_slots=48, waiting=7,
+                       kv_active_blocks=9000, kv_total_blocks=10000)
+    v = ledger.apply(stale)
+    assert (v.running, v.waiting, v.kv_active_blocks) == (0, 0, 0)
+    assert (v.total_slots, v.kv_total_blocks) == (48, 10000)
+    assert (v.in_flight, v.pending, v.pending_kv_blocks) == (1, 1, 10)
+    live = ledger.apply(WorkerView("w", "u", "live", running=40, waiting=7))
+    assert (live.running, live.waiting, live.pending) == (40, 7, 1)
+
+
+def test_export_shares_only_what_reports_do_not_show(ledger, clock):
+    ledger.on_routed("a", "w1", 4)
+    ledger.on_routed("b", "w2", 4)
+    clock.t += 1
+    ledger.on_report("w1", at=clock.t)
+    ledger.on_routed("c", "w2", 4)
+    assert ledger.export() == {"w2": 2}
+
+
+def test_remote_counts_add_up_replace_per_replica_and_expire(ledger, clock):
+    ledger.merge_remote("r2", {"w": 3}, at=clock.t)
+    ledger.merge_remote("r3", {"w": 2, "x": 1}, at=clock.t)
+    assert ledger.view("w").remote_pending == 5
+    ledger.merge_remote("r2", {"w": 1}, at=clock.t)  # a newer export replaces the old one
+    assert ledger.view("w").remote_pending == 3
+    ledger.merge_remote("me", {"w": 100}, at=clock.t)  # our own broadcast coming back
+    assert ledger.view("w").remote_pending == 3
+    clock.t += 1.5
+    ledger.merge_remote("r2", {"w": 1}, at=clock.t)
+    clock.t += 1.0  # r3 silent for 2.5 s > ttl
+    ledger.expire_remote()
+    assert ledger.view("w").remote_pending == 1 and ledger.view("x").remote_pending == 0
+
+
+def test_take_dirty_names_the_workers_whose_figures_changed(ledger, clock):
+    ledger.on_routed("a", "w1", 4)
+    ledger.merge_remote("r2", {"w3": 1}, at=clock.t)
+    assert ledger.take_dirty() == {"w1", "w3"}
+    assert ledger.take_dirty() == set()
+    ledger.on_first_token("a")
+    assert ledger.take_dirty() == {"w1"}
+
+
+def test_requests_never_finished_are_forgotten_after_max_age(clock):
+    ledger = Ledger(LedgerConfig(max_request_age_s=60), clock=clock)
+    ledger.on_routed("lost", "w", 10)
+    clock.t += 61
+    ledger.on_routed("new", "w", 10)
+    assert ledger.in_flight("w") == 1 and ledger.forgotten == 1
+
+
+def test_remove_worker_forgets_it(ledger):
+    ledger.on_routed("a", "w", 4)
+    ledger.remove_worker("w")
+    assert ledger.view("w") == LedgerView(0, 0, 0, 0, 0)
+    ledger.on_finished("a")  # a late end hook is harmless
+    assert ledger.in_flight("w") == 0
+
+
+def test_a_worker_that_never_reports_keeps_bounded_state_and_fast_events(ledger, clock):
+    start = time.perf_counter()
+    for i in range(20_000):
+        clock.t += 0.001
+        ledger.on_routed(f"r{i}", "silent", 8)
+        ledger.on_first_token(f"r{i}")
+        ledger.on_finished(f"r{i}")
+    per_request_us = (time.perf_counter() - start) / 20_000 * 1e6
+    assert ledger.view("silent") == LedgerView(0, 0, 0, 0, 0)
+    assert len(ledger._workers["silent"].queue) <= 64 + 1  # compacted, not 20k entries
+    assert per_request_us < 100
