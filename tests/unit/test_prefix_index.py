@@ -1,0 +1,188 @@
+"""Prefix indexes: longest held prefix per worker, bounded memory, exact mode from KV events."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from actors.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from serve_app.prefix_index import KvEventIndex, PrefixIndex, hash_token_blocks
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def chain(prefix: str, n: int) -> list[int]:
+    """n chained block hashes; chains with the same `prefix` label share nothing with others."""
+    return [hash((prefix, i)) for i in range(n)]
+
+
+# -- approximate index --------------------------------------------------------------------------
+
+
+def test_overlap_is_the_longest_recorded_prefix_per_worker():
+    ix = PrefixIndex()
+    conv = chain("c", 50)
+    ix.record("a", conv[:10])
+    ix.record("b", conv[:37])
+    ix.record("c", chain("other", 50))
+    assert ix.overlap(conv) == {"a": 10, "b": 37}
+    assert ix.overlap(conv[:5]) == {"a": 5, "b": 5}
+    assert ix.overlap(chain("nobody", 20)) == {}
+    assert ix.overlap([]) == {}
+
+
+def test_overlap_agrees_with_a_linear_scan_on_random_histories():
+    rng = random.Random(7)
+    ix = PrefixIndex()
+    base = chain("p", 200)
+    truth: dict[str, int] = {}
+    for _ in range(300):
+        w = f"w{rng.randrange(12)}"
+        n = rng.randrange(1, 200)
+        ix.record(w, base[:n])
+        truth[w] = max(truth.get(w, 0), n)
+    for n in (1, 7, 64, 199, 200):
+        want = {w: min(k, n) for w, k in truth.items()}
+        assert ix.overlap(base[:n]) == want
+
+
+def test_entries_expire_after_ttl_per_worker():
+    clock = Clock()
+    ix = PrefixIndex(ttl_s=10, clock=clock)
+    p = chain("p", 8)
+    ix.record("a", p)
+    clock.t = 6
+    ix.record("b", p[:4])
+    clock.t = 12  # a's use is 12 s old, b's 6 s
+    assert ix.overlap(p) == {"b": 4}
+    clock.t = 17
+    ix.expire()
+    assert ix.overlap(p) == {} and len(ix) == 0
+
+
+def test_entry_count_is_capped_evicting_the_deepest_blocks_first():
+    ix = PrefixIndex(max_entries=100)
+    long_prompt = chain("long", 80)
+    ix.record("a", long_prompt)
+    ix.record("b", chain("other", 50))  # 130 > 100: 30 entries must go
+    assert len(ix) == 100
+    assert ix.overlap(long_prompt) == {"a": 50}  # its tail was evicted, its head kept
+    for _ in range(20):
+        ix.record("c", chain(f"x{_}", 40))
+    assert len(ix) == 100
+
+
+def test_a_shared_prefix_refreshed_by_later_prompts_outlives_their_tails():
+    ix = PrefixIndex(max_entries=60)
+    system = chain("sys", 20)
+    for i in range(10):
+        ix.record("a", system + chain(f"q{i}", 10))
+    assert ix.overlap(system) == {"a": 20}
+
+
+def test_remove_worker_forgets_only_that_worker():
+    ix = PrefixIndex()
+    p = chain("p", 10)
+    ix.record("a", p)
+    ix.record("b", p)
+    ix.remove_worker("a")
+    assert ix.overlap(p) == {"b": 10}
+    ix.remove_worker("b")
+    assert len(ix) == 0
+
+
+def test_lookup_cost_does_not_grow_with_workers_times_blocks():
+    ix = PrefixIndex(max_entries=1_000_000)
+    prompt = chain("hot", 256)
+    for i in range(1000):
+        ix.record(f"w{i}", chain(f"own{i}", 64))
+    for i in range(8):
+        ix.record(f"w{i}", prompt[: 32 * (i + 1)])
+    ix.overlap(prompt)
+    start = time.perf_counter()
+    for _ in range(200):
+        out = ix.overlap(prompt)
+    per_lookup = (time.perf_counter() - start) / 200
+    assert out == {f"w{i}": 32 * (i + 1) for i in range(8)}
+    assert per_lookup < 300e-6
+
+
+# -- exact index from KV events -------------------------------------------------------------
+
+
+def engine_events(tokens: list[int], page: int, salt: int = 0) -> list[BlockStored]:
+    """What an engine would emit for caching `tokens`: one BlockStored per page, with its own
+    (opaque to the router) hash chain."""
+    out, parent = [], None
+    for k in range(len(tokens) // page):
+        eh = hash(("engine", salt, tuple(tokens[: (k + 1) * page])))
+        out.append(BlockStored((eh,), parent, tuple(tokens[k * page : (k + 1) * page]), page))
+        parent = eh
+    return out
+
+
+def test_exact_index_matches_prompts_hashed_from_their_token_ids():
+    ix = KvEventIndex(block_tokens=4)
+    shared = list(range(100, 116))  # 4 blocks
+    ix.apply("a", engine_events(shared + [1, 2, 3, 4, 5, 6, 7, 8], 4))
+    ix.apply("b", engine_events(shared, 4))
+    prompt = shared + [1, 2, 3, 4, 9, 9, 9, 9, 9]
+    assert ix.overlap(hash_token_blocks(prompt, 4)) == {"a": 5, "b": 4}
+
+
+def test_exact_index_follows_removals_and_clears():
+    ix = KvEventIndex(block_tokens=4)
+    toks = list(range(16))
+    evs = engine_events(toks, 4)
+    ix.apply("a", evs)
+    ix.apply("a", [BlockRemoved((evs[3].block_hashes[0], evs[2].block_hashes[0]))])
+    assert ix.overlap(hash_token_blocks(toks, 4)) == {"a": 2}
+    ix.apply("a", [AllBlocksCleared()])
+    assert ix.overlap(hash_token_blocks(toks, 4)) == {} and len(ix) == 0
+
+
+def test_exact_index_keeps_ranks_apart_and_counts_shared_blocks():
+    ix = KvEventIndex(block_tokens=4)
+    toks = list(range(8))
+    ix.apply("a", engine_events(toks, 4), rank=0)
+    ix.apply("a", engine_events(toks, 4, salt=1), rank=1)
+    ix.apply("a", [AllBlocksCleared()], rank=1)  # rank 0 still holds them
+    assert ix.overlap(hash_token_blocks(toks, 4)) == {"a": 2}
+    ix.clear("a")
+    assert ix.overlap(hash_token_blocks(toks, 4)) == {}
+
+
+def test_exact_index_skips_blocks_it_cannot_place():
+    ix = KvEventIndex(block_tokens=4)
+    orphan = BlockStored((99,), 12345, (1, 2, 3, 4), 4)  # parent stored before we listened
+    other_size = BlockStored((98,), None, tuple(range(8)), 8)
+    ix.apply("a", [orphan, other_size])
+    assert len(ix) == 0
+    assert ix.unknown_parents == 1 and ix.skipped_blocks == 2
+
+
+def test_exact_index_memory_is_bounded_per_source():
+    ix = KvEventIndex(block_tokens=1, max_blocks_per_source=10)
+    ix.apply("a", engine_events(list(range(50)), 1))
+    assert len(ix) == 10 and ix.skipped_blocks == 40
+
+
+def test_exact_mode_uses_the_callers_hasher_on_both_sides():
+    h = lambda parent, toks: parent * 31 + sum(toks) + 1  # noqa: E731
+    ix = KvEventIndex(block_tokens=2, hasher=h)
+    ix.apply("a", engine_events([5, 6, 7, 8], 2))
+    assert ix.overlap(hash_token_blocks([5, 6, 7, 8], 2, h)) == {"a": 2}
+    assert ix.overlap(hash_token_blocks([5, 6, 7, 8], 2)) == {}
+
+
+@pytest.mark.parametrize("n", [0, 3])
+def test_hash_token_blocks_ignores_a_partial_tail(n):
+    assert len(hash_token_blocks(list(range(16 + n)), 16)) == 1
