@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     from sim.server import serve  # heavy imports only once the arguments are known to be good
 
     try:
-        serve(config)
+        serve(config, log_level=args.log_level)
     except ValueError as exc:  # a socket that cannot be bound / connected
         logging.getLogger("sim").error("worker on port %d cannot start: %s", args.port, exc)
         return 2

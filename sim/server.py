@@ -710,8 +710,12 @@ class _Uvicorn(uvicorn.Server):
             self._loop.call_soon_threadsafe(self._on_exit)
 
 
-def serve(config: SimConfig) -> None:
-    """Run one simulated worker until SIGTERM/SIGINT; sockets are closed before returning."""
+def serve(config: SimConfig, *, log_level: str = "warning") -> None:
+    """Run one simulated worker until SIGTERM/SIGINT; sockets are closed before returning.
+
+    uvicorn logs at `error` unless `log_level` is info/debug: its warnings are about clients
+    (e.g. a router probing for HTTP/2 or gRPC), not about this worker.
+    """
     server = SimServer(config)
 
     def _exit_quietly(signum: int, frame: FrameType | None) -> None:
@@ -724,8 +728,8 @@ def serve(config: SimConfig) -> None:
         server.app,
         host=config.host,
         port=config.port,
-        log_level="warning",
-        access_log=False,
+        log_level=log_level if log_level in ("debug", "info") else "error",
+        access_log=log_level == "debug",
         lifespan="on",
         timeout_graceful_shutdown=config.shutdown_grace_s,  # type: ignore[arg-type]
     )
