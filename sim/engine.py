@@ -9,7 +9,13 @@ admitted, otherwise one decode step of every running request.
 
 Reports (`on_kv_metrics`) follow the scheduler exactly: after each prefill batch, and every
 `decode_log_interval`-th decode step (a lifetime counter), never while idle. Pending KV events
-are handed over at those same points and when the engine goes idle.
+are handed over at those same points and when the engine goes idle. As in SGLang, a prefill
+report's `request_active_slots` counts the requests that were already decoding when the batch
+was formed (not the new ones), and a decode report counts the whole step's batch, including
+requests that finished in it; token usage is measured after the batch.
+
+Memory: a request is admitted only if its whole lifetime fits (prompt pages now, plus pages for
+`max_new_tokens` reserved), so decode never runs out of KV and nothing is retracted.
 """
 
 from __future__ import annotations
@@ -154,6 +160,8 @@ class EngineStats:
     evicted_pages_total: int
     kv_metrics_reports_total: int
     cached_pages: int
+    mean_ttft_s: float  # over requests that got a first token; simulated seconds
+    mean_queue_time_s: float  # arrival → admission, same requests
 
 
 class Engine:
@@ -183,6 +191,9 @@ class Engine:
         self._decode_busy = 0.0
         self._reports = 0
         self._last_hit_rate = 0.0
+        self._ttft_sum = 0.0
+        self._queue_sum = 0.0
+        self._ttft_count = 0
 
     # ------------------------------------------------------------------ requests
 
@@ -345,6 +356,9 @@ class Engine:
             # SGLang inserts the prefilled prompt into the radix cache (cache_unfinished_req)
             self._cache_chain(req, len(req.chain), now)
             req.first_token_time = now
+            self._ttft_sum += now - req.arrival
+            self._queue_sum += (req.admit_time or req.arrival) - req.arrival
+            self._ttft_count += 1
             if req.max_new_tokens == 0:
                 outputs.append(self._finish(req, now, token=None))
                 continue
@@ -504,6 +518,8 @@ class Engine:
             evicted_pages_total=pool.evicted_pages_total,
             kv_metrics_reports_total=self._reports,
             cached_pages=len(pool.cached),
+            mean_ttft_s=self._ttft_sum / self._ttft_count if self._ttft_count else 0.0,
+            mean_queue_time_s=self._queue_sum / self._ttft_count if self._ttft_count else 0.0,
         )
 
 

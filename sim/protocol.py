@@ -26,7 +26,7 @@ class BadRequest(ValueError):
 
 def openai_error(message: str, param: str | None = None, code: int = 400) -> dict[str, Any]:
     """SGLang's OpenAI-route error body (`ErrorResponse`)."""
-    kind = "BadRequestError" if code == 400 else "InternalServerError"
+    kind = {400: "BadRequestError", 503: "ServiceUnavailableError"}.get(code, "InternalServerError")
     return {"object": "error", "message": message, "type": kind, "param": param, "code": code}
 
 

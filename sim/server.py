@@ -66,6 +66,10 @@ class _Stream:
     done: bool = False
 
 
+class EngineDown(RuntimeError):
+    """The engine loop died (a bug): requests get 503 and /health fails, like a hung SGLang."""
+
+
 class EngineDriver:
     """Runs the engine against the wall clock: sim time = elapsed wall time / time_scale."""
 
@@ -76,12 +80,15 @@ class EngineDriver:
         self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
         self._stopping = False
+        self.failed: BaseException | None = None
 
     def sim_now(self) -> float:
         return (time.monotonic() - self._t0) / self.time_scale
 
     def submit(self, rid: str, input_ids: list[int], max_new_tokens: int) -> _Stream:
         """Queue a request; raises RequestRejected (→ 400) if the engine can never serve it."""
+        if self.failed is not None:
+            raise EngineDown(f"the simulated engine stopped: {self.failed!r}")
         if self._stopping:
             raise RequestRejected("the server is shutting down")
         req = self.engine.submit(rid, input_ids, max_new_tokens, self.sim_now())
@@ -103,6 +110,16 @@ class EngineDriver:
         self._wake.set()
 
     async def run(self) -> None:
+        try:
+            await self._loop()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.exception("simulated engine loop failed; failing open requests and /health")
+            self.failed = exc
+            self.end_all_streams()
+
+    async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         deadline: float | None = None
         while not self._stopping:
@@ -279,7 +296,6 @@ class SimServer:
         info: dict[str, Any] = {
             "publisher": "zmq",
             "endpoint": pub.endpoint,
-            "endpoint_host": pub.endpoint.rsplit(":", 1)[0].removeprefix("tcp://"),
             "topic": self.config.kv_events_topic,
             "block_size": self.engine.page_size,
             "dp_size": 1,
@@ -287,7 +303,9 @@ class SimServer:
             "next_seq": pub.next_seq,
         }
         if pub.endpoint.startswith("tcp://"):
-            info["endpoint_port_base"] = int(pub.endpoint.rsplit(":", 1)[1])
+            host, port = pub.endpoint.removeprefix("tcp://").rsplit(":", 1)
+            info["endpoint_host"] = host
+            info["endpoint_port_base"] = int(port)
         if pub.replay_endpoint:
             info["replay_endpoint"] = pub.replay_endpoint
             if pub.replay_endpoint.startswith("tcp://"):
@@ -421,9 +439,13 @@ class SimServer:
             where = ".".join(str(p) for p in err["loc"])
             return JSONResponse(protocol.openai_error(f"{where}: {err['msg']}", where or None), status_code=400)
 
+        @app.exception_handler(EngineDown)
+        async def _engine_down(request: Request, exc: EngineDown) -> JSONResponse:
+            return JSONResponse(protocol.openai_error(str(exc), code=503), status_code=503)
+
         @app.get("/health")
         async def health() -> Response:
-            return Response(status_code=200)
+            return Response(status_code=503 if self._driver().failed else 200)
 
         @app.get("/health_generate")
         async def health_generate() -> Response:

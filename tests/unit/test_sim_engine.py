@@ -414,3 +414,16 @@ def test_flush_cache_clears_everything_only_when_idle():
     assert isinstance(rec.events[-1], AllBlocksCleared)
     assert engine.stats().cached_pages == 0
     assert engine.pool.free_pages == engine.pool.num_pages
+
+
+def test_stats_measure_ttft_and_queueing_in_simulated_seconds():
+    engine, _, clock = make(max_running_requests=1, prefill_base_s=0.1, prefill_per_token_s=0.0,
+                            decode_base_s=0.5, decode_per_req_s=0.0, decode_per_kv_token_s=0.0)
+    engine.submit("a", prompt(4), 2, clock())
+    engine.submit("b", prompt(4, start=50), 1, clock())
+    run_until_idle(engine, clock, clock.advance)
+    stats = engine.stats()
+    # a: prefill 0.1 → ttft 0.1, then one decode step (0.5); b waits 0.6, then prefill 0.1
+    assert stats.mean_ttft_s == pytest.approx((0.1 + 0.7) / 2)
+    assert stats.mean_queue_time_s == pytest.approx((0.0 + 0.6) / 2)
+    assert stats.num_waiting_reqs == 0 and stats.requests_finished_total == 2
