@@ -21,10 +21,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, NamedTuple
 
 from serve_app.policies.base import WorkerView
+from serve_app.policies.fleet import FleetView
 
 log = logging.getLogger(__name__)
 
@@ -203,19 +204,14 @@ class Ledger:
     def apply(self, view: WorkerView) -> WorkerView:
         """`view` (reported figures from the snapshot) with the ledger's figures filled in; an
         `idle` worker's reported activity is zeroed and all its in-flight requests count."""
-        idle = view.state == "idle"
-        lv = self.view(view.name, idle=idle)
+        v = view
+        idle = v.state == "idle"
+        lv = self.view(v.name, idle=idle)
         if idle:
-            return replace(
-                view, running=0, waiting=0, kv_active_blocks=0, in_flight=lv.in_flight,
-                pending=lv.pending, pending_prefill_blocks=lv.pending_prefill_blocks,
-                pending_kv_blocks=lv.pending_kv_blocks, remote_pending=lv.remote_pending,
-            )
-        return replace(
-            view, in_flight=lv.in_flight, pending=lv.pending,
-            pending_prefill_blocks=lv.pending_prefill_blocks,
-            pending_kv_blocks=lv.pending_kv_blocks, remote_pending=lv.remote_pending,
-        )
+            return WorkerView(v.name, v.url, v.state, v.page_size, 0, v.total_slots, 0, 0,
+                              v.kv_total_blocks, *lv)
+        return WorkerView(v.name, v.url, v.state, v.page_size, v.running, v.total_slots, v.waiting,
+                          v.kv_active_blocks, v.kv_total_blocks, *lv)
 
     def take_dirty(self) -> set[str]:
         """Workers whose ledger figures changed since the last call (rebuild only their views)."""
@@ -318,5 +314,16 @@ class Ledger:
 
 
 def apply_all(ledger: Ledger, views: Iterable[WorkerView]) -> list[WorkerView]:
-    """Every view with the ledger applied (simple path; `Ledger.take_dirty` allows incremental)."""
+    """Every view with the ledger applied (when a snapshot arrives; see `refresh_fleet` per request)."""
     return [ledger.apply(v) for v in views]
+
+
+def refresh_fleet(fleet: FleetView, base: Mapping[str, WorkerView], ledger: Ledger) -> None:
+    """Re-apply the ledger to the workers whose figures changed since the last call.
+
+    `base` holds each worker's view as the snapshot gave it (no ledger figures). Call before every
+    decision; after a new snapshot, build `FleetView(apply_all(ledger, base.values()))` instead."""
+    for name in ledger.take_dirty():
+        v = base.get(name)
+        if v is not None:
+            fleet.update(ledger.apply(v))

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from actors.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
@@ -56,34 +56,41 @@ def hash_token_blocks(
 
 
 def _longest_prefixes(
-    n: int, holders: Callable[[int], frozenset[str] | set[str]]
-) -> dict[str, int]:
-    """Per worker, the number of leading positions 0..n-1 it holds, given nested holder sets
-    (holders(i) ⊇ holders(j) for i < j). Bisection between positions whose sets differ."""
+    n: int, holders: Callable[[int], dict[str, Any] | None]
+) -> list[tuple[int, Iterable[str]]]:
+    """Tiers (length, workers) of how many leading positions 0..n-1 each worker holds, given nested
+    holder sets (holders(i) ⊇ holders(j) for i < j, as mappings keyed by worker). Bisection compares
+    sizes only; a key set difference is taken once per distinct match length."""
     if n <= 0:
-        return {}
+        return []
     first = holders(0)
     if not first:
-        return {}
-    out: dict[str, int] = {}
-    last = first & holders(n - 1) if n > 1 else first
-    for w in last:
-        out[w] = n
-    if len(last) == len(first):
-        return out
-    stack = [(0, first, n - 1, last)]
+        return []
+    last = holders(n - 1) if n > 1 else first
+    n_last = len(last) if last else 0
+    if n_last == len(first):
+        return [(n, first.keys())]
+    out: list[tuple[int, Iterable[str]]] = [(n, last.keys())] if n_last else []
+    # (lo, size at lo, hi, size at hi): positions lo < hi with size(lo) > size(hi)
+    stack = [(0, len(first), n - 1, n_last)]
+    bounds: list[int] = []  # positions p where size(p) > size(p + 1)
     while stack:
-        lo, s_lo, hi, s_hi = stack.pop()
+        lo, a, hi, b = stack.pop()
         if hi - lo == 1:
-            for w in s_lo - s_hi:
-                out[w] = hi
+            bounds.append(lo)
             continue
         mid = (lo + hi) // 2
-        s_mid = s_lo & holders(mid)
-        if len(s_mid) != len(s_lo):
-            stack.append((lo, s_lo, mid, s_mid))
-        if len(s_mid) != len(s_hi):
-            stack.append((mid, s_mid, hi, s_hi))
+        e = holders(mid)
+        m = len(e) if e else 0
+        if m > a:  # nesting violated (should not happen): trust the smaller side
+            m = a
+        if m != a:
+            stack.append((lo, a, mid, m))
+        if m != b:
+            stack.append((mid, m, hi, b))
+    for p in bounds:
+        here, nxt = holders(p), holders(p + 1)
+        out.append((p + 1, here.keys() - nxt.keys() if nxt else here.keys()))
     return out
 
 
@@ -132,14 +139,28 @@ class PrefixIndex:
         now = self._clock() if now is None else now
         cutoff = now - self.ttl_s
         get = self._entries.get
-
-        def holders(i: int) -> set[str]:
-            e = get(block_hashes[i])
-            if not e:
-                return set()
-            return {w for w, t in e.items() if t >= cutoff}
-
-        return _longest_prefixes(len(block_hashes), holders)
+        out: dict[str, int] = {}
+        stale: list[tuple[str, int]] = []
+        for k, ws in _longest_prefixes(len(block_hashes), lambda i: get(block_hashes[i])):
+            out.update(dict.fromkeys(ws, k))
+            # use times only decrease along a prompt: a worker is fresh at every block it holds
+            # iff it is fresh at its deepest one (checked per tier in C, per worker only if not)
+            e = get(block_hashes[k - 1])
+            if e and min(map(e.__getitem__, ws)) < cutoff:
+                stale.extend((w, k) for w in ws if e[w] < cutoff)
+        for w, k in stale:  # bisect its deepest fresh block: the fresh length is in [lo, hi]
+            lo, hi = 0, k - 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if get(block_hashes[mid - 1], {}).get(w, cutoff - 1) >= cutoff:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            if lo:
+                out[w] = lo
+            else:
+                del out[w]
+        return out
 
     def remove_worker(self, worker: str) -> None:
         """Forget everything about `worker` (left the fleet, or down: its cache is gone). O(entries)."""
@@ -265,9 +286,7 @@ class KvEventIndex:
     def overlap(self, block_hashes: Sequence[int]) -> dict[str, int]:
         """Per worker, how many leading blocks of this prompt it caches (workers with none absent)."""
         get = self._holders.get
-
-        def holders(i: int) -> set[str]:
-            e = get(block_hashes[i])
-            return set(e) if e else set()
-
-        return _longest_prefixes(len(block_hashes), holders)
+        out: dict[str, int] = {}
+        for k, ws in _longest_prefixes(len(block_hashes), lambda i: get(block_hashes[i])):
+            out.update(dict.fromkeys(ws, k))
+        return out

@@ -32,7 +32,10 @@ import random
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 from serve_app.policies.base import Decision, RouteRequest, WorkerView, _raise_none
+from serve_app.policies.fleet import FleetView
 
 _EPS = 1e-9
 
@@ -70,114 +73,176 @@ class KvAwareConfig:
             raise ValueError(f"KvAwareConfig.kv_high_watermark must be in (0, 1], got {self.kv_high_watermark}")
 
 
+_INF = float("inf")
+_NUMPY_FROM = 48  # fleets at least this large are scored with numpy (fixed overhead ≈ 10 µs)
+
+
 class KvAware:
+    """See the module docstring for the cost. Request-independent terms are computed once per
+    worker view (cached across requests when the router passes a `FleetView`)."""
+
     name = "kv_aware"
 
     def __init__(self, config: KvAwareConfig | None = None) -> None:
         self.config = config or KvAwareConfig()
 
+    def row(self, w: WorkerView, block_tokens: int) -> tuple[float, float, float, float]:
+        """(down, base, headroom, capacity_tokens) of one worker: cost(new) =
+        scale·(base + (prefill_weight+1)·new + kv_overflow_weight·max(0, new − headroom))."""
+        cfg = self.config
+        ps = w.page_size / block_tokens
+        kv0 = w.kv_active_blocks * ps + w.pending_kv_blocks
+        base = cfg.prefill_weight * (w.pending_prefill_blocks + cfg.remote_request_blocks * w.remote_pending) + kv0
+        q = w.waiting
+        if w.total_slots:
+            extra = w.running + w.pending + w.remote_pending + 1 - w.total_slots
+            if extra > 0:
+                q += extra
+        base += cfg.queued_request_blocks * q
+        if w.kv_total_blocks:
+            headroom = cfg.kv_high_watermark * w.kv_total_blocks * ps - kv0
+            cap = float(w.kv_total_blocks * w.page_size)
+        else:
+            headroom, cap = _INF, 0.0
+        return (1.0 if w.state == "down" else 0.0, base, headroom, cap)
+
     def costs(self, request: RouteRequest, workers: Sequence[WorkerView]) -> dict[str, float]:
         """Normalised cost per routable worker (for inspection, tests and `/route` debugging)."""
-        ok, raw, _ = self._raw(request, workers)
-        scale = self._scales(ok) or [1.0] * len(ok)
-        return {w.name: c * s for w, c, s in zip(ok, raw, scale)}
+        cost, _ = self._score(request, workers, force_python=True)
+        return {w.name: c for w, c in zip(workers, cost) if c != _INF}
 
     def choose(
         self, request: RouteRequest, workers: Sequence[WorkerView], rng: random.Random
     ) -> Decision:
         cfg = self.config
-        ok, raw, affine = self._raw(request, workers)
-        scale = self._scales(ok)
-        if scale is not None:
-            cost = [c * s for c, s in zip(raw, scale)]
-        else:
-            cost = raw
-        best = min(cost)
+        cost, affine = self._score(request, workers)
+        best = float(cost.min()) if isinstance(cost, np.ndarray) else min(cost, default=_INF)
+        if best == _INF:
+            _raise_none(workers)
         P = request.prompt_blocks
         if affine:
-            limit = best * (1.0 + cfg.tolerance) + cfg.tolerance_blocks
-            pick_i, pick_o, ties = -1, 0, 0
+            limit = best * (1.0 + cfg.tolerance) + cfg.tolerance_blocks + _EPS
+            pick_i, pick_o, pick_c, ties = -1, 0, _INF, 0
             for i, o in affine:
-                c = cost[i]
-                if c > limit + _EPS:
+                c = float(cost[i])
+                if c > limit:
                     continue
-                if o > pick_o or (o == pick_o and c < cost[pick_i] - _EPS):
-                    pick_i, pick_o, ties = i, o, 1
-                elif o == pick_o and c <= cost[pick_i] + _EPS:
+                if o > pick_o or (o == pick_o and c < pick_c - _EPS):
+                    pick_i, pick_o, pick_c, ties = i, o, c, 1
+                elif o == pick_o and c <= pick_c + _EPS:
                     ties += 1  # reservoir sampling keeps the draw uniform among equals
                     if rng.random() * ties < 1.0:
                         pick_i = i
             if pick_i >= 0:
-                w = ok[pick_i]
+                w = workers[pick_i]
                 return Decision(
                     w.name, w.url, self.name,
-                    f"overlap={pick_o}/{P} blocks, cost={cost[pick_i]:.1f} (min {best:.1f})",
+                    f"overlap={pick_o}/{P} blocks, cost={pick_c:.1f} (min {best:.1f})",
                 )
         lim = best + _EPS
-        mins = [i for i, c in enumerate(cost) if c <= lim]
-        i = mins[0] if len(mins) == 1 else rng.choice(mins)
-        w = ok[i]
-        o = min(request.overlap.get(w.name, 0), P)
+        if isinstance(cost, np.ndarray):
+            mins = np.flatnonzero(cost <= lim)
+            i = int(mins[0]) if len(mins) == 1 else rng.choice(mins.tolist())
+        else:
+            mins = [i for i, c in enumerate(cost) if c <= lim]
+            i = mins[0] if len(mins) == 1 else rng.choice(mins)
+        w = workers[i]
+        o = min(request.overlap.get(w.name, 0), P) if request.overlap else 0
         return Decision(
             w.name, w.url, self.name,
-            f"overlap={o}/{P} blocks, cost={best:.1f} = min of {len(ok)}"
+            f"overlap={o}/{P} blocks, cost={best:.1f} = min of {len(workers)}"
             + (f" ({len(mins)} tied)" if len(mins) > 1 else ""),
         )
 
-    def _raw(
-        self, request: RouteRequest, workers: Sequence[WorkerView]
-    ) -> tuple[list[WorkerView], list[float], list[tuple[int, int]]]:
-        """Routable workers, their un-normalised cost, and (index, overlap) of the affine ones."""
+    def _score(
+        self, request: RouteRequest, workers: Sequence[WorkerView], force_python: bool = False
+    ) -> tuple[list[float] | np.ndarray, list[tuple[int, int]]]:
+        """Cost per position in `workers` (inf for down ones) and (position, overlap) of affine ones."""
         cfg = self.config
         B = request.block_tokens
         P = request.prompt_blocks
-        ovmap = request.overlap
-        min_o = max(1, cfg.min_overlap_blocks)
-        pw = cfg.prefill_weight
-        qb = cfg.queued_request_blocks
-        rb = cfg.remote_request_blocks
-        hw = cfg.kv_high_watermark
+        k = cfg.prefill_weight + 1.0
         ow = cfg.kv_overflow_weight
-        ok: list[WorkerView] = []
-        raw: list[float] = []
-        affine: list[tuple[int, int]] = []
-        for w in workers:
-            if w.state == "down":
-                continue
-            o = ovmap.get(w.name, 0) if ovmap else 0
-            if o:
-                if o > P:
-                    o = P
-                if o >= min_o:
-                    affine.append((len(ok), o))
-            new = P - o
-            ps = w.page_size / B
-            kv = w.kv_active_blocks * ps + w.pending_kv_blocks + new
-            c = pw * (w.pending_prefill_blocks + rb * w.remote_pending + new) + kv
-            q = w.waiting
-            if w.total_slots:
-                extra = w.running + w.pending + w.remote_pending + 1 - w.total_slots
-                if extra > 0:
-                    q += extra
-            if q:
-                c += qb * q
-            if w.kv_total_blocks:
-                over = kv - hw * w.kv_total_blocks * ps
-                if over > 0:
-                    c += ow * over
-            ok.append(w)
-            raw.append(c)
-        if not ok:
-            _raise_none(workers)
-        return ok, raw, affine
+        min_o = max(1, cfg.min_overlap_blocks)
+        ovmap = request.overlap
+        if isinstance(workers, FleetView):
+            cols = workers.derived((id(self), B), lambda w: self.row(w, B))
+            rows = cols.rows
+            scale = cols.extra.get("scale", False)
+            if scale is False:
+                scale = cols.extra["scale"] = self._scales(rows)
+            affine: list[tuple[int, int]] = []
+            for name, o in ovmap.items():
+                i = workers.position(name)
+                if i is not None and o >= min_o and not rows[i][0]:
+                    affine.append((i, min(o, P)))
+            if len(rows) >= _NUMPY_FROM and not force_python:
+                down, base, headroom, _cap = cols.arrays
+                cost = base + k * P
+                hmin = cols.extra.get("hmin")
+                if hmin is None:
+                    hmin = cols.extra["hmin"] = float(headroom.min())
+                if P > hmin:
+                    cost += ow * np.maximum(P - headroom, 0.0)
+                if scale is not None:
+                    cost *= scale[1]
+                if down.any():
+                    cost[down > 0] = _INF
+                for i, o in affine:
+                    _, b, hr, _ = rows[i]
+                    new = P - o
+                    c = b + k * new + (ow * (new - hr) if new > hr else 0.0)
+                    cost[i] = c * scale[0][i] if scale is not None else c
+                return cost, affine
+            out = self._eval(rows, P, k, ow, scale[0] if scale is not None else None)
+            for i, o in affine:
+                _, b, hr, _ = rows[i]
+                new = P - o
+                c = b + k * new + (ow * (new - hr) if new > hr else 0.0)
+                out[i] = c * scale[0][i] if scale is not None else c
+            return out, affine
+        rows = [self.row(w, B) for w in workers]
+        scale = self._scales(rows)
+        out = self._eval(rows, P, k, ow, scale[0] if scale is not None else None)
+        affine = []
+        if ovmap:
+            for i, w in enumerate(workers):
+                o = ovmap.get(w.name, 0)
+                if o >= min_o and not rows[i][0]:
+                    o = min(o, P)
+                    affine.append((i, o))
+                    _, b, hr, _ = rows[i]
+                    new = P - o
+                    c = b + k * new + (ow * (new - hr) if new > hr else 0.0)
+                    out[i] = c * scale[0][i] if scale is not None else c
+        return out, affine
 
-    def _scales(self, ok: list[WorkerView]) -> list[float] | None:
-        """Per-worker factor mean_cap / cap_w, or None when the fleet is homogeneous (all 1)."""
+    @staticmethod
+    def _eval(rows: list[tuple[float, float, float, float]], P: int, k: float, ow: float,
+              scale: list[float] | None) -> list[float]:
+        """Cost of every worker for a prompt of P blocks none of which it caches."""
+        kp = k * P
+        out: list[float] = []
+        append = out.append
+        for down, base, hr, _ in rows:
+            if down:
+                append(_INF)
+                continue
+            c = base + kp
+            if P > hr:
+                c += ow * (P - hr)
+            append(c)
+        if scale is not None:
+            out = [c * s for c, s in zip(out, scale)]
+        return out
+
+    def _scales(self, rows: list[tuple[float, float, float, float]]) -> tuple[list[float], np.ndarray] | None:
+        """Per-worker factor mean_cap / cap_w (1 for unknown capacity), or None when all are 1."""
         if not self.config.normalize_by_capacity:
             return None
-        caps = [w.kv_total_blocks * w.page_size for w in ok]
-        known = [c for c in caps if c > 0]
+        known = [r[3] for r in rows if r[3] > 0 and not r[0]]
         if not known or min(known) == max(known):
             return None
         mean = sum(known) / len(known)
-        return [mean / c if c > 0 else 1.0 for c in caps]
+        s = [mean / r[3] if r[3] > 0 else 1.0 for r in rows]
+        return s, np.array(s, dtype=np.float64)

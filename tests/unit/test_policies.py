@@ -118,6 +118,14 @@ def test_ties_are_broken_uniformly_at_random(name):
     assert all(140 <= c <= 260 for c in counts.values()), counts
 
 
+def test_kv_aware_breaks_ties_at_random_on_large_fleets_too():
+    from serve_app.policies.fleet import FleetView
+
+    fv = FleetView(fleet(100))
+    picks = Counter(KvAware().choose(req(), fv, random.Random(s)).worker for s in range(1000))
+    assert len(picks) > 90 and max(picks.values()) < 30
+
+
 def test_round_robin_cycles_in_fleet_order_skipping_down_workers():
     rr = get_policy("round_robin")
     ws = [worker("a"), worker("b", "down"), worker("c"), worker("d", "idle")]
@@ -276,3 +284,56 @@ def test_kv_aware_docstring_states_the_formula():
 
     for term in ("prefill_weight", "queued_request_blocks", "kv_high_watermark", "tolerance"):
         assert term in mod.__doc__
+
+
+# -- FleetView: the router's incrementally updated fleet ---------------------------------------
+
+
+def random_fleet(rng: random.Random, n: int) -> list[WorkerView]:
+    return [
+        worker(f"w{i}", rng.choice(["live", "live", "idle", "down"]), running=rng.randrange(20),
+               total_slots=16, waiting=rng.randrange(3), kv_active_blocks=rng.randrange(4096),
+               kv_total_blocks=rng.choice([4096, 8192, 0]), pending=rng.randrange(3),
+               pending_prefill_blocks=rng.randrange(200), pending_kv_blocks=rng.randrange(200),
+               remote_pending=rng.randrange(2))
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("n", [5, 200])  # the python and the numpy paths
+def test_fleet_view_decides_exactly_like_a_plain_list(n):
+    from serve_app.policies.fleet import FleetView
+
+    rng = random.Random(n)
+    policy = KvAware()
+    for trial in range(30):
+        views = random_fleet(rng, n)
+        if all(v.state == "down" for v in views):
+            continue
+        fv = FleetView(views)
+        ov = {f"w{rng.randrange(n)}": rng.randrange(1, 80) for _ in range(3)}
+        r = req(rng.randrange(16, 2048), ov)
+        a = policy.choose(r, views, random.Random(trial))
+        b = policy.choose(r, fv, random.Random(trial))
+        assert (a.worker, a.reason) == (b.worker, b.reason)
+        # an update of one worker is seen by the cached columns
+        target = fv[rng.randrange(n)]
+        idle_now = replace(target, state="live", running=0, waiting=0, kv_active_blocks=0, pending=0,
+                           pending_prefill_blocks=0, pending_kv_blocks=0, remote_pending=0)
+        fv.update(idle_now)
+        views = [idle_now if v.name == target.name else v for v in views]
+        a = policy.choose(r, views, random.Random(trial))
+        b = policy.choose(r, fv, random.Random(trial))
+        assert (a.worker, a.reason) == (b.worker, b.reason)
+
+
+def test_fleet_view_rejects_duplicate_names_and_supports_removal():
+    from serve_app.policies.fleet import FleetView
+
+    with pytest.raises(ValueError, match="twice"):
+        FleetView([worker("a"), worker("a")])
+    fv = FleetView([worker("a", running=9), worker("b")])
+    assert KvAware().choose(req(), fv, random.Random(0)).worker == "b"
+    fv.remove("b")
+    assert KvAware().choose(req(), fv, random.Random(0)).worker == "a"
+    assert len(fv) == 1 and fv.get("b") is None

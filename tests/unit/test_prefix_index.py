@@ -63,7 +63,12 @@ def test_entries_expire_after_ttl_per_worker():
     ix.record("b", p[:4])
     clock.t = 12  # a's use is 12 s old, b's 6 s
     assert ix.overlap(p) == {"b": 4}
-    clock.t = 17
+    ix.record("c", p)
+    clock.t = 15
+    ix.record("c", p[:3])  # c refreshed only its first 3 blocks
+    clock.t = 24
+    assert ix.overlap(p) == {"c": 3}
+    clock.t = 40
     ix.expire()
     assert ix.overlap(p) == {} and len(ix) == 0
 

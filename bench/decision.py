@@ -1,0 +1,138 @@
+"""Per-decision cost of every policy at 10/100/1000 workers with a 4k-token chat prompt.
+
+Run: python bench/decision.py [--iters N] [--workers 10,100,1000]
+
+Prints p50/p99 µs per call of: RouteRequest extraction (body → facts, once per request),
+prefix-index lookup (overlap for that prompt), each policy's `choose` on a `FleetView` (as the
+router holds the fleet), kv_aware on a plain list for reference, and the per-request ledger
+bookkeeping including the refresh of the routed worker's view.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from serve_app.ledger import Ledger, refresh_fleet  # noqa: E402
+from serve_app.policies import POLICIES, WorkerView, get_policy  # noqa: E402
+from serve_app.policies.fleet import FleetView  # noqa: E402
+from serve_app.prefix_index import PrefixIndex  # noqa: E402
+from serve_app.request_facts import facts_from_body  # noqa: E402
+
+TARGET_P50_US = {10: 5, 100: 20, 1000: 150}  # kv_aware decision targets
+
+
+def body_4k(i: int = 0) -> dict:
+    """A chat of ~4k tokens (~16k chars): long system prompt, some history, a question."""
+    system = "You are a careful assistant. Follow the policy below exactly. " * 130
+    history = [
+        {"role": "user", "content": f"Earlier question {k}: " + "details " * 60}
+        for k in range(3)
+    ]
+    return {
+        "model": "m",
+        "max_tokens": 256,
+        "messages": [{"role": "system", "content": system}, *history,
+                     {"role": "user", "content": f"Question {i}: what now? " + "context " * 200}],
+    }
+
+
+def fleet(n: int, rng: random.Random) -> list[WorkerView]:
+    out = []
+    for i in range(n):
+        running = rng.randrange(0, 48)
+        out.append(WorkerView(
+            f"w{i}", f"http://10.0.{i // 250}.{i % 250}:30000", "live" if i % 17 else "idle",
+            page_size=16, running=running, total_slots=48, waiting=rng.randrange(0, 3),
+            kv_active_blocks=rng.randrange(0, 30_000), kv_total_blocks=32_768,
+            pending=rng.randrange(0, 3), pending_prefill_blocks=rng.randrange(0, 300),
+            pending_kv_blocks=rng.randrange(0, 300),
+        ))
+    return out
+
+
+def timeit(fn: Callable[[], object], iters: int) -> tuple[float, float]:
+    for _ in range(min(50, iters)):
+        fn()
+    samples = []
+    gc.disable()
+    try:
+        for _ in range(iters):
+            t = time.perf_counter_ns()
+            fn()
+            samples.append(time.perf_counter_ns() - t)
+    finally:
+        gc.enable()
+    samples.sort()
+    return statistics.median(samples) / 1e3, samples[int(len(samples) * 0.99) - 1] / 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--workers", default="10,100,1000")
+    args = ap.parse_args()
+    sizes = [int(x) for x in args.workers.split(",")]
+    rng = random.Random(0)
+
+    body = body_4k()
+    facts = facts_from_body(body)
+    rows: list[tuple[str, int, float, float]] = []
+    p50, p99 = timeit(lambda: facts_from_body(body), args.iters)
+    rows.append(("extract RouteRequest (body → facts)", 0, p50, p99))
+
+    for n in sizes:
+        views = fleet(n, rng)
+        index = PrefixIndex(max_entries=2_000_000)
+        # every worker has seen other prompts; a few hold part of this one (shared system prompt)
+        for i, v in enumerate(views):
+            index.record(v.name, facts_from_body(body_4k(10_000 + i)).block_hashes[:40])
+        for k in range(min(4, n)):
+            index.record(views[k].name, facts.block_hashes[: 60 * (k + 1)])
+        ov = index.overlap(facts.block_hashes)
+        req = facts.with_overlap(ov)
+        iters = args.iters if n <= 100 else max(200, args.iters // 4)
+        p50, p99 = timeit(lambda: index.overlap(facts.block_hashes), iters)
+        rows.append(("prefix-index overlap", n, p50, p99))
+        fv = FleetView(views)
+        for name in sorted(POLICIES):
+            policy = get_policy(name)
+            r = random.Random(1)
+            p50, p99 = timeit(lambda: policy.choose(req, fv, r), iters)
+            rows.append((f"decision: {name}", n, p50, p99))
+        policy = get_policy("kv_aware")
+        p50, p99 = timeit(lambda: policy.choose(req, views, r), iters)
+        rows.append(("(ref) kv_aware on a plain list (no cached columns)", n, p50, p99))
+        # per request the router re-applies the ledger to the one worker it just routed to
+        ledger = Ledger()
+        base = {v.name: v for v in views}
+
+        def route_update() -> None:
+            ledger.on_routed("x", views[0].name, 100)
+            refresh_fleet(fv, base, ledger)
+            ledger.on_finished("x")
+
+        p50, p99 = timeit(route_update, iters)
+        rows.append(("ledger on_routed + refresh_fleet + on_finished", n, p50, p99))
+
+    print(f"# Decision cost — python {platform.python_version()}, {platform.machine()}, "
+          f"{platform.processor() or 'cpu n/a'}\n")
+    print("command: `python bench/decision.py " + " ".join(sys.argv[1:]) + "`\n")
+    print("| what | workers | p50 µs | p99 µs | kv_aware p50 target |")
+    print("|---|---:|---:|---:|---:|")
+    for what, n, a, b in rows:
+        target = f"≤ {TARGET_P50_US[n]}" if what == "decision: kv_aware" and n in TARGET_P50_US else ""
+        print(f"| {what} | {n or '—'} | {a:.1f} | {b:.1f} | {target} |")
+
+
+if __name__ == "__main__":
+    main()
