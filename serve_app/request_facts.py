@@ -8,9 +8,10 @@ exact text of the shorter one, so a multi-turn chat keeps matching its earlier b
 
 Block hashes: the prompt is cut into chunks of `block_tokens × chars_per_token` characters (≈ one
 engine page); chunk i's hash is XOR-accumulated over (position, chunk) hashes of chunks 0..i, so
-equal hashes mean equal prefixes. All of it runs in C (slicing, hashing, accumulation): ~30 µs for a
-4k-token prompt. Python's string hash is keyed per process, so hashes are comparable only inside one
-router process — which is where the approximate prefix index lives. When the body carries token ids
+equal hashes mean equal prefixes. The per-block work runs in C (slicing, hashing, accumulation):
+≈ 0.1 ms for a 4k-token chat on a 2.2 GHz VM (bench/decision.py). Python's string hash is keyed
+per process, so hashes are comparable only inside one router process — which is where the
+approximate prefix index lives. When the body carries token ids
 (or `hasher`/token ids are supplied for exact mode), blocks are hashed from tokens instead
 (`serve_app.prefix_index.hash_token_blocks`).
 """

@@ -46,15 +46,25 @@ class Columns:
         self.extra.clear()
 
 
+class _Positions(dict):
+    """name → position; a missing name maps to -1 (so C-level `map` lookups never raise)."""
+
+    __slots__ = ()
+
+    def __missing__(self, key: str) -> int:
+        return -1
+
+
 class FleetView(Sequence[WorkerView]):
     """Worker views in a stable order; `update` replaces one worker's view in O(derived columns)."""
 
-    __slots__ = ("_views", "_pos", "_derived")
+    __slots__ = ("_views", "_pos", "_derived", "_names")
 
     def __init__(self, views: Iterable[WorkerView] = ()) -> None:
         self._views: list[WorkerView] = []
-        self._pos: dict[str, int] = {}
+        self._pos: _Positions = _Positions()
         self._derived: dict[Hashable, tuple[RowFn, Columns]] = {}
+        self._names: list[str] | None = None
         for v in views:
             if v.name in self._pos:
                 raise ValueError(f"worker {v.name!r} appears twice in the fleet view")
@@ -74,8 +84,21 @@ class FleetView(Sequence[WorkerView]):
     def __iter__(self) -> Iterator[WorkerView]:
         return iter(self._views)
 
+    @property
+    def names(self) -> list[str]:
+        """Worker names in fleet order (cached; do not mutate)."""
+        n = self._names
+        if n is None:
+            n = self._names = [v.name for v in self._views]
+        return n
+
     def position(self, name: str) -> int | None:
         return self._pos.get(name)
+
+    @property
+    def position_or_minus_one(self) -> Callable[[str], int]:
+        """A C-level lookup name → position (-1 when absent), for `map` over many names."""
+        return self._pos.__getitem__
 
     def get(self, name: str) -> WorkerView | None:
         i = self._pos.get(name)
@@ -88,6 +111,7 @@ class FleetView(Sequence[WorkerView]):
             self._pos[view.name] = len(self._views)
             self._views.append(view)
             self._derived.clear()
+            self._names = None
             return
         self._views[i] = view
         for fn, cols in self._derived.values():
@@ -98,8 +122,9 @@ class FleetView(Sequence[WorkerView]):
         if i is None:
             return
         del self._views[i]
-        self._pos = {v.name: k for k, v in enumerate(self._views)}
+        self._pos = _Positions((v.name, k) for k, v in enumerate(self._views))
         self._derived.clear()
+        self._names = None
 
     def derived(self, key: Hashable, fn: RowFn) -> Columns:
         """The columns `fn(view)` for every worker, cached under `key` and kept current by `update`."""

@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from serve_app.policies.base import Decision, RouteRequest, WorkerView, _raise_none
-from serve_app.policies.fleet import FleetView
+from serve_app.policies.fleet import Columns, FleetView
 
 _EPS = 1e-9
 
@@ -74,6 +74,8 @@ class KvAwareConfig:
 
 
 _INF = float("inf")
+_EMPTY_I = np.zeros(0, dtype=np.intp)
+_EMPTY_F = np.zeros(0, dtype=np.float64)
 _NUMPY_FROM = 48  # fleets at least this large are scored with numpy (fixed overhead ≈ 10 µs)
 
 
@@ -108,44 +110,52 @@ class KvAware:
 
     def costs(self, request: RouteRequest, workers: Sequence[WorkerView]) -> dict[str, float]:
         """Normalised cost per routable worker (for inspection, tests and `/route` debugging)."""
-        cost, _ = self._score(request, workers, force_python=True)
+        cost, _, _ = self._score(request, list(workers))
         return {w.name: c for w, c in zip(workers, cost) if c != _INF}
 
     def choose(
         self, request: RouteRequest, workers: Sequence[WorkerView], rng: random.Random
     ) -> Decision:
         cfg = self.config
-        cost, affine = self._score(request, workers)
-        best = float(cost.min()) if isinstance(cost, np.ndarray) else min(cost, default=_INF)
+        cost, apos, aov = self._score(request, workers)
+        vec = isinstance(cost, np.ndarray)
+        best = float(cost.min()) if vec and len(cost) else min(cost, default=_INF)
         if best == _INF:
             _raise_none(workers)
         P = request.prompt_blocks
-        if affine:
+        if len(apos):
+            # the affine worker among the near-minimum ones: most overlap, then cheapest, then random
             limit = best * (1.0 + cfg.tolerance) + cfg.tolerance_blocks + _EPS
-            pick_i, pick_o, pick_c, ties = -1, 0, _INF, 0
-            for i, o in affine:
-                c = float(cost[i])
-                if c > limit:
-                    continue
-                if o > pick_o or (o == pick_o and c < pick_c - _EPS):
-                    pick_i, pick_o, pick_c, ties = i, o, c, 1
-                elif o == pick_o and c <= pick_c + _EPS:
-                    ties += 1  # reservoir sampling keeps the draw uniform among equals
-                    if rng.random() * ties < 1.0:
-                        pick_i = i
-            if pick_i >= 0:
-                w = workers[pick_i]
+            if isinstance(apos, np.ndarray):
+                ca = cost[apos]
+                near = ca <= limit
+                ties: list[int] = []
+                if near.any():
+                    omax = aov[near].max()
+                    cand = near & (aov == omax)
+                    cmin = ca[cand].min()
+                    ties = sorted(apos[cand & (ca <= cmin + _EPS)].tolist())
+                    pick_o = int(omax)
+            else:
+                near_l = [(o, cost[i], i) for i, o in zip(apos, aov) if cost[i] <= limit]
+                ties = []
+                if near_l:
+                    pick_o = max(o for o, _, _ in near_l)
+                    cmin = min(c for o, c, _ in near_l if o == pick_o)
+                    ties = sorted(i for o, c, i in near_l if o == pick_o and c <= cmin + _EPS)
+            if ties:
+                i = ties[0] if len(ties) == 1 else rng.choice(ties)
+                w = workers[i]
                 return Decision(
                     w.name, w.url, self.name,
-                    f"overlap={pick_o}/{P} blocks, cost={pick_c:.1f} (min {best:.1f})",
+                    f"overlap={pick_o}/{P} blocks, cost={float(cost[i]):.1f} (min {best:.1f})",
                 )
         lim = best + _EPS
-        if isinstance(cost, np.ndarray):
-            mins = np.flatnonzero(cost <= lim)
-            i = int(mins[0]) if len(mins) == 1 else rng.choice(mins.tolist())
+        if vec:
+            mins = np.flatnonzero(cost <= lim).tolist()
         else:
             mins = [i for i, c in enumerate(cost) if c <= lim]
-            i = mins[0] if len(mins) == 1 else rng.choice(mins)
+        i = mins[0] if len(mins) == 1 else rng.choice(mins)
         w = workers[i]
         o = min(request.overlap.get(w.name, 0), P) if request.overlap else 0
         return Decision(
@@ -154,10 +164,9 @@ class KvAware:
             + (f" ({len(mins)} tied)" if len(mins) > 1 else ""),
         )
 
-    def _score(
-        self, request: RouteRequest, workers: Sequence[WorkerView], force_python: bool = False
-    ) -> tuple[list[float] | np.ndarray, list[tuple[int, int]]]:
-        """Cost per position in `workers` (inf for down ones) and (position, overlap) of affine ones."""
+    def _score(self, request: RouteRequest, workers: Sequence[WorkerView]) -> tuple[Any, Any, Any]:
+        """(cost per position in `workers`, inf for down ones; positions of affine workers; their
+        overlaps) — numpy arrays for large FleetViews, lists otherwise."""
         cfg = self.config
         B = request.block_tokens
         P = request.prompt_blocks
@@ -168,75 +177,97 @@ class KvAware:
         if isinstance(workers, FleetView):
             cols = workers.derived((id(self), B), lambda w: self.row(w, B))
             rows = cols.rows
+            if len(rows) >= _NUMPY_FROM:
+                scale = cols.extra.get("scale", False)
+                if scale is False:
+                    scale = cols.extra["scale"] = self._scales_numpy(cols)
+                return self._score_numpy(cols, workers, ovmap, P, k, ow, min_o, scale)
             scale = cols.extra.get("scale", False)
             if scale is False:
                 scale = cols.extra["scale"] = self._scales(rows)
-            affine: list[tuple[int, int]] = []
-            for name, o in ovmap.items():
-                i = workers.position(name)
-                if i is not None and o >= min_o and not rows[i][0]:
-                    affine.append((i, min(o, P)))
-            if len(rows) >= _NUMPY_FROM and not force_python:
-                down, base, headroom, _cap = cols.arrays
-                cost = base + k * P
-                hmin = cols.extra.get("hmin")
-                if hmin is None:
-                    hmin = cols.extra["hmin"] = float(headroom.min())
-                if P > hmin:
-                    cost += ow * np.maximum(P - headroom, 0.0)
-                if scale is not None:
-                    cost *= scale[1]
-                if down.any():
-                    cost[down > 0] = _INF
-                for i, o in affine:
-                    _, b, hr, _ = rows[i]
-                    new = P - o
-                    c = b + k * new + (ow * (new - hr) if new > hr else 0.0)
-                    cost[i] = c * scale[0][i] if scale is not None else c
-                return cost, affine
-            out = self._eval(rows, P, k, ow, scale[0] if scale is not None else None)
-            for i, o in affine:
-                _, b, hr, _ = rows[i]
-                new = P - o
-                c = b + k * new + (ow * (new - hr) if new > hr else 0.0)
-                out[i] = c * scale[0][i] if scale is not None else c
-            return out, affine
-        rows = [self.row(w, B) for w in workers]
-        scale = self._scales(rows)
-        out = self._eval(rows, P, k, ow, scale[0] if scale is not None else None)
-        affine = []
-        if ovmap:
-            for i, w in enumerate(workers):
-                o = ovmap.get(w.name, 0)
-                if o >= min_o and not rows[i][0]:
-                    o = min(o, P)
-                    affine.append((i, o))
-                    _, b, hr, _ = rows[i]
-                    new = P - o
-                    c = b + k * new + (ow * (new - hr) if new > hr else 0.0)
-                    out[i] = c * scale[0][i] if scale is not None else c
-        return out, affine
-
-    @staticmethod
-    def _eval(rows: list[tuple[float, float, float, float]], P: int, k: float, ow: float,
-              scale: list[float] | None) -> list[float]:
-        """Cost of every worker for a prompt of P blocks none of which it caches."""
+            names = workers.names
+        else:
+            rows = [self.row(w, B) for w in workers]
+            scale = self._scales(rows)
+            names = [w.name for w in workers]
         kp = k * P
         out: list[float] = []
+        apos: list[int] = []
+        aov: list[int] = []
         append = out.append
-        for down, base, hr, _ in rows:
+        ovget = ovmap.get if ovmap else None
+        i = -1
+        for (down, b, hr, _), name in zip(rows, names):
+            i += 1
             if down:
                 append(_INF)
                 continue
-            c = base + kp
-            if P > hr:
-                c += ow * (P - hr)
+            o = ovget(name, 0) if ovget is not None else 0
+            if o >= min_o:
+                if o > P:
+                    o = P
+                apos.append(i)
+                aov.append(o)
+                new = P - o
+                c = b + k * new
+                if new > hr:
+                    c += ow * (new - hr)
+            else:
+                c = b + kp
+                if P > hr:
+                    c += ow * (P - hr)
             append(c)
         if scale is not None:
-            out = [c * s for c, s in zip(out, scale)]
-        return out
+            out = [c * f for c, f in zip(out, scale)]
+        return out, apos, aov
 
-    def _scales(self, rows: list[tuple[float, float, float, float]]) -> tuple[list[float], np.ndarray] | None:
+    @staticmethod
+    def _score_numpy(cols: Columns, fleet: FleetView, ovmap: Any, P: int, k: float, ow: float,
+                     min_o: int, scale: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        down, base, headroom, _cap = cols.arrays
+        cost = base + k * P
+        hmin = cols.extra.get("hmin")
+        if hmin is None:
+            hmin = cols.extra["hmin"] = float(headroom.min())
+        if P > hmin:
+            cost += ow * np.maximum(P - headroom, 0.0)
+        if scale is not None:
+            cost *= scale
+        anydown = cols.extra.get("anydown")
+        if anydown is None:
+            anydown = cols.extra["anydown"] = bool(down.any())
+        if anydown:
+            cost[down > 0] = _INF
+        m = len(ovmap)
+        if not m:
+            return cost, _EMPTY_I, _EMPTY_F
+        pos = np.fromiter(map(fleet.position_or_minus_one, ovmap), np.intp, m)
+        ov = np.fromiter(ovmap.values(), np.float64, m)
+        keep = (pos >= 0) & (ov >= min_o)
+        pos, ov = pos[keep], ov[keep]
+        if anydown:
+            keep = down[pos] == 0
+            pos, ov = pos[keep], ov[keep]
+        if len(pos):
+            np.minimum(ov, P, out=ov)
+            new = P - ov
+            c = base[pos] + k * new + ow * np.maximum(new - headroom[pos], 0.0)
+            if scale is not None:
+                c *= scale[pos]
+            cost[pos] = c
+        return cost, pos, ov
+
+    def _scales_numpy(self, cols: Columns) -> np.ndarray | None:
+        """`_scales` over cached columns, vectorised (recomputed after any row changes)."""
+        if not self.config.normalize_by_capacity:
+            return None
+        down, _, _, cap = cols.arrays
+        known = cap[(cap > 0) & (down == 0)]
+        if not len(known) or known.min() == known.max():
+            return None
+        return np.where(cap > 0, known.mean() / np.where(cap > 0, cap, 1.0), 1.0)
+
+    def _scales(self, rows: list[tuple[float, float, float, float]]) -> list[float] | None:
         """Per-worker factor mean_cap / cap_w (1 for unknown capacity), or None when all are 1."""
         if not self.config.normalize_by_capacity:
             return None
@@ -244,5 +275,4 @@ class KvAware:
         if not known or min(known) == max(known):
             return None
         mean = sum(known) / len(known)
-        s = [mean / r[3] if r[3] > 0 else 1.0 for r in rows]
-        return s, np.array(s, dtype=np.float64)
+        return [mean / r[3] if r[3] > 0 else 1.0 for r in rows]
