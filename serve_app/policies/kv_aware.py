@@ -4,6 +4,7 @@ For each routable worker w, in blocks of B = `request.block_tokens` tokens:
 
     P        = ceil(prompt_tokens / B)                       blocks of this prompt
     o        = min(overlap[w], P)                            leading blocks w already caches
+                                                            (0 if below min_overlap_blocks)
     new      = P − o                                         blocks w must prefill and allocate
     prefill  = pending_prefill_blocks + remote_request_blocks·remote_pending + new
     kv       = kv_active_blocks·page_size/B + pending_kv_blocks + new
