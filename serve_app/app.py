@@ -21,7 +21,7 @@ from serve_app.config import AppArgs, RouterConfig
 from serve_app.follower import FleetFollower
 from serve_app.policies import NoWorkerAvailable, UnknownPolicy
 from serve_app.proxy import Upstream, UpstreamClient, UpstreamError, forward_headers, sse_error_event
-from serve_app.request_facts import RequestFactsError, extract_route_request
+from serve_app.request_facts import InvalidRequestBody
 from serve_app.router import RouterCore
 
 logger = logging.getLogger("kvroute.router")
@@ -83,6 +83,7 @@ class KvRouter:
         while True:
             try:
                 await asyncio.sleep(self.settings.push_interval_s * 5)
+                self.core.refresh_remote()
                 counts = self.core.ledger.export()
                 now = time.monotonic()
                 if counts != last or now - last_sent > self.settings.heartbeat_s:
@@ -156,9 +157,9 @@ class KvRouter:
             return parsed
         _, body = parsed
         try:
-            facts = extract_route_request(body, block_size=self.config.block_size)
+            facts = self.core.facts(body)
             d = self.core.decide(facts, request.headers.get(POLICY_HEADER))
-        except RequestFactsError as exc:
+        except InvalidRequestBody as exc:
             return _error(400, str(exc), code="invalid_body")
         except UnknownPolicy as exc:
             return _error(400, str(exc), code="unknown_policy")
@@ -209,9 +210,9 @@ class KvRouter:
             return parsed
         raw, body = parsed
         try:
-            facts = extract_route_request(body, block_size=self.config.block_size)
+            facts = self.core.facts(body)
             self.core.policy(request.headers.get(POLICY_HEADER))
-        except RequestFactsError as exc:
+        except InvalidRequestBody as exc:
             return _error(400, str(exc), code="invalid_body")
         except UnknownPolicy as exc:
             return _error(400, str(exc), code="unknown_policy")
@@ -229,7 +230,7 @@ class KvRouter:
                 break
             rid = uuid.uuid4().hex
             ledger = self.core.ledger
-            ledger.on_routed(rid, d.worker, facts)
+            self.core.on_routed(rid, facts, d.worker)
             t0 = time.perf_counter()
             try:
                 up = await self.upstream.open(d.worker, "POST", d.url + path, content=raw, headers=headers)

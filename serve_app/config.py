@@ -18,7 +18,7 @@ class RouterConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    policy: str = Field("least_loaded", description="default policy; x-kvroute-policy overrides")
+    policy: str = Field("kv_aware", description="default policy; x-kvroute-policy overrides")
     api_key: str | None = Field(None, description=f"Bearer key for every route but /healthz (env {API_KEY_ENV})")
     admin_key: str | None = Field(None, description=f"Bearer key for fleet changes (env {ADMIN_KEY_ENV})")
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="request bodies above are refused (413)")

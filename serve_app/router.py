@@ -12,75 +12,96 @@ from typing import Any
 from actors.models import KV_METRICS_FIELDS
 from serve_app.config import RouterConfig
 from serve_app.follower import FleetFollower, WorkerRecord
-from serve_app.ledger import Ledger
-from serve_app.policies import DEFAULT_POLICY, POLICIES, Decision, RouteRequest, WorkerView, get_policy
+from serve_app.ledger import Ledger, refresh_fleet
+from serve_app.policies import POLICIES, Decision, RouteRequest, WorkerView, get_policy
+from serve_app.policies.fleet import FleetView
 from serve_app.prefix_index import PrefixIndex
+from serve_app.request_facts import FactsConfig, facts_from_body
+
+
+def base_view(rec: WorkerRecord) -> WorkerView:
+    """A worker as its last report shows it (the ledger adds its own figures on top)."""
+    m = rec.metrics or {}
+    return WorkerView(
+        name=rec.name,
+        url=rec.url,
+        state=rec.state,
+        page_size=rec.page_size,
+        running=m.get("request_active_slots", 0),
+        total_slots=m.get("request_total_slots", 0),
+        waiting=m.get("num_requests_waiting", 0),
+        kv_active_blocks=m.get("kv_active_blocks", 0),
+        kv_total_blocks=m.get("kv_total_blocks", 0),
+    )
 
 
 class RouterCore:
+    """Fleet view (from the follower) + ledger + prefix index → a policy's decision, all local."""
+
     def __init__(self, config: RouterConfig, follower: FleetFollower, replica_id: str) -> None:
         self.config = config
         self.follower = follower
         self.replica_id = replica_id
         self.rng = random.Random(config.seed)
-        self.ledger = Ledger()
+        self.ledger = Ledger(replica_id=replica_id)
         self.prefix = PrefixIndex()
+        self.facts_config = FactsConfig(block_tokens=config.block_size)
         self.default_policy = config.policy
         get_policy(self.default_policy)  # unknown default → error at start, not per request
         self._policies = {name: get_policy(name) for name in POLICIES}
+        self._base: dict[str, WorkerView] = {}
+        self.fleet = FleetView()
+        self._remote: dict[str, dict[str, int]] = {}  # other replica → {worker: pending}
         follower.on_update = self._on_fleet_update
 
     # --- fleet view ---------------------------------------------------------------------------
 
     def _on_fleet_update(self, changed: list[str]) -> None:
-        now = time.monotonic()
+        touched: set[str] = set()
         for name in changed:
             rec = self.follower.workers.get(name)
             if rec is None:
+                self._base.pop(name, None)
+                self.fleet.remove(name)
                 self.ledger.remove_worker(name)
                 self.prefix.remove_worker(name)
-            elif rec.metrics_at is not None:
+                for counts in self._remote.values():
+                    counts.pop(name, None)
+                continue
+            if rec.metrics_at is not None:
                 self.ledger.on_report(name, rec.metrics_at)
-            if rec is not None and rec.state == "down":
-                pass  # keep index entries: a worker that comes back usually kept its cache
-        del now
+            base = base_view(rec)
+            self._base[name] = base
+            self.fleet.update(self.ledger.apply(base))
+            for replica, counts in self._remote.items():
+                if name in counts and replica not in rec.in_flight_by_replica:
+                    del counts[name]
+                    touched.add(replica)
+            for replica, n in rec.in_flight_by_replica.items():
+                if replica != self.replica_id and self._remote.setdefault(replica, {}).get(name) != n:
+                    self._remote[replica][name] = n
+                    touched.add(replica)
+        for replica in touched:
+            self.ledger.merge_remote(replica, self._remote[replica])
 
-    def remote_in_flight(self, rec: WorkerRecord) -> int:
-        return sum(n for replica, n in rec.in_flight_by_replica.items() if replica != self.replica_id)
+    def refresh_remote(self) -> None:
+        """Re-date the other replicas' counts we still see in the snapshot (the aggregator expires
+        dead replicas; the ledger would otherwise drop live ones that simply did not change)."""
+        for replica, counts in list(self._remote.items()):
+            if counts:
+                self.ledger.merge_remote(replica, counts)
+            else:
+                del self._remote[replica]
 
-    def views(self, overlap: dict[str, int] | None = None) -> list[WorkerView]:
-        out: list[WorkerView] = []
-        for rec in self.follower.workers.values():
-            m = rec.metrics if rec.state == "live" else None  # idle: the last report is not load
-            lv = self.ledger.view(rec.name)
-            out.append(
-                WorkerView(
-                    name=rec.name,
-                    url=rec.url,
-                    state=rec.state,
-                    page_size=rec.page_size,
-                    running=m["request_active_slots"] if m else 0,
-                    total_slots=(rec.metrics or {}).get("request_total_slots", 0) or 0,
-                    waiting=m["num_requests_waiting"] if m else 0,
-                    kv_active_blocks=m["kv_active_blocks"] if m else 0,
-                    kv_total_blocks=(rec.metrics or {}).get("kv_total_blocks", 0) or 0,
-                    in_flight=lv.in_flight + self.remote_in_flight(rec),
-                    **self._extra_view_fields(rec.name, lv, overlap),
-                )
-            )
-        return out
-
-    def _extra_view_fields(self, name: str, lv: Any, overlap: dict[str, int] | None) -> dict[str, Any]:
-        fields = WorkerView.__dataclass_fields__
-        extra: dict[str, Any] = {}
-        if "overlap_blocks" in fields:
-            extra["overlap_blocks"] = (overlap or {}).get(name, 0)
-        for f in ("pending_prefill_blocks", "decode_blocks", "unreported"):
-            if f in fields and hasattr(lv, f):
-                extra[f] = getattr(lv, f)
-        return extra
+    def views(self) -> FleetView:
+        refresh_fleet(self.fleet, self._base, self.ledger)
+        return self.fleet
 
     # --- decisions ----------------------------------------------------------------------------
+
+    def facts(self, body: Any) -> RouteRequest:
+        """Routing facts of an OpenAI/SGLang body. Raises InvalidRequestBody (→ 400)."""
+        return facts_from_body(body, config=self.facts_config)
 
     def policy(self, name: str | None) -> Any:
         name = name or self.default_policy
@@ -94,9 +115,14 @@ class RouterCore:
     ) -> Decision:
         """Pick a worker (never one in `exclude`, e.g. already failed for this request)."""
         policy = self.policy(policy_name)
-        overlap = self.prefix.overlap(request.block_hashes) if request.block_hashes else {}
-        views = [v for v in self.views(overlap) if v.name not in exclude]
-        return policy.choose(request, views, self.rng)
+        if request.block_hashes:
+            request = request.with_overlap(self.prefix.overlap(request.block_hashes))
+        fleet = self.views()
+        workers = fleet if not exclude else [v for v in fleet if v.name not in exclude]
+        return policy.choose(request, workers, self.rng)
+
+    def on_routed(self, request_id: str, request: RouteRequest, worker: str) -> None:
+        self.ledger.on_routed(request_id, worker, request.prompt_blocks, request.overlap.get(worker, 0))
 
     # --- public views -------------------------------------------------------------------------
 
@@ -104,7 +130,7 @@ class RouterCore:
         now = time.monotonic()
         workers = []
         for rec in sorted(self.follower.workers.values(), key=lambda r: r.name):
-            lv = self.ledger.view(rec.name)
+            lv = self.ledger.view(rec.name, idle=rec.state == "idle")
             workers.append(
                 {
                     "name": rec.name,
@@ -117,7 +143,7 @@ class RouterCore:
                     "heartbeat_age_s": round(now - rec.heartbeat_at, 4),
                     "metrics": {f: rec.metrics[f] for f in KV_METRICS_FIELDS} if rec.metrics else None,
                     "ranks": rec.ranks,
-                    "in_flight": lv.in_flight + self.remote_in_flight(rec),
+                    "in_flight": lv.in_flight + lv.remote_pending,
                     "in_flight_local": lv.in_flight,
                     "updated_at": rec.updated_at,
                     "managed": rec.extra or None,
