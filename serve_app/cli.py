@@ -38,7 +38,8 @@ class FleetRunner:
     all of it down again — worker actors, the detached aggregator, the Serve app."""
 
     def __init__(self, fleet: FleetSpec, router: RouterConfig, *, host: str, port: int, address: str | None,
-                 progress=print) -> None:
+                 progress=print, verbose: bool = False) -> None:
+        self.verbose = verbose
         self.fleet = fleet
         self.router = router
         self.host = host
@@ -61,7 +62,8 @@ class FleetRunner:
         if not ray.is_initialized():
             self.progress(f"starting Ray ({'joining ' + self.address if self.address else 'local'}) …")
             ray.init(address=self.address, namespace="kvroute", include_dashboard=False,
-                     logging_level=logging.WARNING, log_to_driver=True)
+                     logging_level=logging.WARNING, log_to_driver=self.verbose)
+            logging.getLogger("ray.serve").setLevel(logging.INFO if self.verbose else logging.WARNING)
             self._started_ray = True
         settings = self.fleet.settings
         agg = get_or_create_aggregator(settings)
@@ -148,7 +150,8 @@ def _run(fleet: FleetSpec, ns: argparse.Namespace, *, live_table: bool) -> int:
     except Exception as exc:
         print(f"kvroute: invalid router option: {exc}", file=sys.stderr)
         return 2
-    runner = FleetRunner(fleet, router, host=ns.host, port=ns.port, address=getattr(ns, "address", None))
+    runner = FleetRunner(fleet, router, host=ns.host, port=ns.port, address=getattr(ns, "address", None),
+                         verbose=ns.verbose)
     try:
         url = runner.start()
     except (FleetError, ValueError) as exc:
@@ -159,14 +162,16 @@ def _run(fleet: FleetSpec, ns: argparse.Namespace, *, live_table: bool) -> int:
         runner.stop()
         return 130
     _print_banner(url, router)
-    tick = None
+    table = None
     if live_table:
         from serve_app.status import LiveTable
 
-        tick = LiveTable(url, api_key=router.api_key).tick
+        table = LiveTable(url, api_key=router.api_key)
     try:
-        _wait_for_interrupt(tick, period_s=1.0)
+        _wait_for_interrupt(table.tick if table else None, period_s=1.0)
     finally:
+        if table is not None:
+            table.close()
         t0 = time.monotonic()
         runner.stop()
         print(f"kvroute: stopped in {time.monotonic() - t0:.1f} s")

@@ -12,7 +12,7 @@ import httpx
 _SKIP_HEADERS = {
     "host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer",
     "upgrade", "proxy-authorization", "proxy-authenticate", "authorization", "accept-encoding",
-    "content-encoding",
+    "content-encoding", "date", "server",
 }
 RETRYABLE_STATUS = {429, 502, 503, 504}
 

@@ -22,8 +22,8 @@ def fetch_workers(url: str, api_key: str | None = None, timeout_s: float = 3.0) 
 
 def render(data: dict[str, Any]) -> Table:
     t = Table(title=f"kvroute workers (snapshot v{data.get('version')})", expand=False)
-    for col in ("worker", "state", "running", "waiting", "KV use", "cache hit", "in-flight", "metrics age", "url"):
-        t.add_column(col, justify="right" if col not in ("worker", "state", "url") else "left")
+    for col in ("worker", "state", "run/slots", "wait", "KV", "hit", "in-flt", "age"):
+        t.add_column(col, justify="right" if col not in ("worker", "state") else "left", no_wrap=True)
     for w in data.get("workers", []):
         m = w.get("metrics") or {}
         total = m.get("request_total_slots")
@@ -40,7 +40,6 @@ def render(data: dict[str, Any]) -> Table:
             hit,
             str(w.get("in_flight", 0)),
             "never" if age is None else f"{age:.1f}s",
-            w["url"],
         )
     return t
 
@@ -81,3 +80,8 @@ class LiveTable:
             self._live.start()
         else:
             self._live.update(table)
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
