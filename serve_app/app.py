@@ -17,7 +17,9 @@ from ray import serve
 
 from actors.aggregator import get_or_create_aggregator
 from actors.models import Settings
+from serve_app.breaker import BreakerConfig, Breakers
 from serve_app.config import AppArgs, RouterConfig
+from serve_app.metrics import RouterMetrics
 from serve_app.follower import FleetFollower
 from serve_app.policies import NoWorkerAvailable, UnknownPolicy
 from serve_app.proxy import Upstream, UpstreamClient, UpstreamError, forward_headers, sse_error_event
@@ -69,6 +71,8 @@ class KvRouter:
         )
         self.core = RouterCore(self.config, self.follower, self.replica_id)
         self.upstream = UpstreamClient(self.config.upstream_connect_timeout_s, self.config.upstream_read_timeout_s)
+        self.breakers = Breakers(BreakerConfig(self.config.breaker_failures, self.config.breaker_open_s))
+        self.metrics = RouterMetrics(self.core, self.breakers)
         self.follower.start()
         self._share_task = asyncio.get_running_loop().create_task(self._share_in_flight())
         logger.info("router replica %s up, policy %s", self.replica_id, self.config.policy)
@@ -142,6 +146,12 @@ class KvRouter:
         h = self.core.healthz()
         return JSONResponse(h, status_code=200 if h["status"] != "unavailable" else 503)
 
+    @fastapi_app.get("/metrics")
+    async def prometheus(self, request: Request) -> Response:
+        if (denied := self._auth(request)) is not None:
+            return denied
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
     @fastapi_app.get("/workers")
     async def workers(self, request: Request) -> JSONResponse:
         if (denied := self._auth(request)) is not None:
@@ -209,60 +219,72 @@ class KvRouter:
         if isinstance(parsed, JSONResponse):
             return parsed
         raw, body = parsed
+        policy_name = request.headers.get(POLICY_HEADER)
         try:
             facts = self.core.facts(body)
-            self.core.policy(request.headers.get(POLICY_HEADER))
+            policy = self.core.policy(policy_name).name
         except InvalidRequestBody as exc:
             return _error(400, str(exc), code="invalid_body")
         except UnknownPolicy as exc:
             return _error(400, str(exc), code="unknown_policy")
-        stream = bool(body.get("stream"))
+        stream = body.get("stream") is True
         headers = forward_headers(request.headers)
         tried: set[str] = set()
         failures: list[str] = []
         retry_after: str | None = None
+        m = self.metrics
         for attempt in range(self.config.max_attempts):
+            t_decide = time.perf_counter()
             try:
-                d = self.core.decide(facts, request.headers.get(POLICY_HEADER), exclude=tried)
+                d = self.core.decide(facts, policy_name, exclude=tried | self.breakers.blocked())
             except NoWorkerAvailable as exc:
                 if not failures:
-                    return _error(503, str(exc), code="no_worker", headers={"retry-after": "1"})
+                    m.requests.labels(policy, "", "no_worker").inc()
+                    return _error(503, f"{exc}; open breakers: {sorted(self.breakers.blocked()) or 'none'}",
+                                  code="no_worker", headers={"retry-after": "1"})
                 break
+            m.decision_seconds.observe(time.perf_counter() - t_decide)
             rid = uuid.uuid4().hex
-            ledger = self.core.ledger
             self.core.on_routed(rid, facts, d.worker)
+            self.breakers.on_dispatch(d.worker)
             t0 = time.perf_counter()
             try:
                 up = await self.upstream.open(d.worker, "POST", d.url + path, content=raw, headers=headers)
             except UpstreamError as exc:
-                ledger.on_failed(rid)
+                self._failed(rid, d.worker, exc.status is None or exc.status >= 500)
                 tried.add(d.worker)
                 failures.append(str(exc))
                 retry_after = exc.retry_after or retry_after
+                m.retries.labels(d.worker).inc()
                 logger.info("attempt %d on %s failed before first byte: %s", attempt + 1, d.worker, exc)
                 await asyncio.sleep(min(0.5, 0.02 * (2**attempt)) * random.uniform(0.5, 1.5))
                 continue
+            except asyncio.CancelledError:  # client went away before the worker answered
+                self.core.ledger.on_failed(rid)
+                raise
             self.core.prefix.record(d.worker, facts.block_hashes)
             out_headers = {**up.headers(), WORKER_HEADER: d.worker}
             if not stream:
                 try:
                     content = await up.response.aread()
                 except httpx.HTTPError as exc:  # died mid-body: nothing sent yet, so retry elsewhere
-                    ledger.on_failed(rid)
+                    self._failed(rid, d.worker, True)
                     tried.add(d.worker)
+                    m.retries.labels(d.worker).inc()
                     failures.append(f"worker {d.worker}: {type(exc).__name__} while reading the body")
                     continue
                 finally:
                     await up.close()
-                ledger.on_finished(rid)
-                logger.debug("routed %s → %s (%s) in %.1f ms", path, d.worker, d.reason, (time.perf_counter() - t0) * 1e3)
+                self._finished(rid, d, t0, up.status_code, policy)
+                logger.debug("routed %s to %s (%s) in %.1f ms", path, d.worker, d.reason, (time.perf_counter() - t0) * 1e3)
                 return Response(content, status_code=up.status_code, headers=out_headers)
             return StreamingResponse(
-                self._relay(up, rid),
+                self._relay(up, rid, d, t0, policy),
                 status_code=up.status_code,
                 headers=out_headers,
                 media_type=up.response.headers.get("content-type", "text/event-stream"),
             )
+        m.requests.labels(policy, "", "unavailable").inc()
         return _error(
             503,
             f"no worker could serve the request after {len(failures)} attempt(s): " + "; ".join(failures[-3:]),
@@ -270,24 +292,43 @@ class KvRouter:
             headers={"retry-after": retry_after or "1"},
         )
 
-    async def _relay(self, up: Upstream, rid: str) -> AsyncIterator[bytes]:
+    def _failed(self, rid: str, worker: str, counts_for_breaker: bool) -> None:
+        self.core.ledger.on_failed(rid)
+        if counts_for_breaker and self.breakers.on_failure(worker):
+            self.metrics.breaker_opened.labels(worker).inc()
+            logger.warning("worker %s: circuit breaker opened", worker)
+
+    def _finished(self, rid: str, d: Any, t0: float, status: int, policy: str) -> None:
+        self.core.ledger.on_finished(rid)
+        self.breakers.on_success(d.worker)
+        elapsed = time.perf_counter() - t0
+        self.metrics.duration_seconds.labels(d.worker).observe(elapsed)
+        self.metrics.requests.labels(policy, d.worker, "ok" if status < 400 else f"http_{status}").inc()
+
+    async def _relay(self, up: Upstream, rid: str, d: Any, t0: float, policy: str) -> AsyncIterator[bytes]:
         """Pass SSE chunks through as they arrive; a break after the start ends with an error event."""
         ledger = self.core.ledger
         first = True
-        ok = False
+        outcome = "cancelled"
         try:
             async for chunk in up.chunks():
                 if first:
                     ledger.on_first_token(rid)
+                    self.metrics.ttft_seconds.labels(d.worker).observe(time.perf_counter() - t0)
                     first = False
                 yield chunk
-            ok = True
+            outcome = "ok"
         except httpx.HTTPError as exc:
+            outcome = "broken"
             logger.warning("stream from %s broke after it started: %s", up.worker, type(exc).__name__)
             yield sse_error_event(f"worker {up.worker} failed mid-stream ({type(exc).__name__})")
         finally:
             await up.close()
-            (ledger.on_finished if ok else ledger.on_failed)(rid)
+            if outcome == "ok":
+                self._finished(rid, d, t0, up.status_code, policy)
+            else:
+                self._failed(rid, d.worker, outcome == "broken")
+                self.metrics.requests.labels(policy, d.worker, outcome).inc()
 
 
 def build_app(args: dict[str, Any]) -> Any:

@@ -26,6 +26,8 @@ class RouterConfig(BaseModel):
     upstream_connect_timeout_s: float = Field(2.0, gt=0)
     upstream_read_timeout_s: float = Field(600.0, gt=0, description="per-chunk read timeout upstream")
     max_attempts: int = Field(3, ge=1, description="tries on different workers before the first byte")
+    breaker_failures: int = Field(3, ge=1, description="consecutive upstream failures that open a worker's breaker")
+    breaker_open_s: float = Field(5.0, gt=0, description="seconds a worker is skipped before one probe")
     max_ongoing_requests: int = Field(1024, ge=1, description="per router replica (Serve's default is 5)")
     num_replicas: int | str = Field(1, description="router replicas, or 'auto'")
     seed: int | None = None

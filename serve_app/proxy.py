@@ -14,7 +14,7 @@ _SKIP_HEADERS = {
     "upgrade", "proxy-authorization", "proxy-authenticate", "authorization", "accept-encoding",
     "content-encoding", "date", "server",
 }
-RETRYABLE_STATUS = {429, 502, 503, 504}
+RETRYABLE_STATUS = {429, 500, 502, 503, 504}  # before the first byte nothing was sent: try elsewhere
 
 
 class UpstreamError(Exception):

@@ -48,3 +48,39 @@ def wait_for(predicate: Callable[[], object], timeout_s: float, interval_s: floa
             last_exc = exc
         time.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}" + (f" (last error: {last_exc})" if last_exc else ""))
+
+
+class BrokenWorker:
+    """A worker whose /health is fine but which answers every POST with `status` (counts them)."""
+
+    def __init__(self, status: int = 500) -> None:
+        self.posts = 0
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                self.send_response(200 if self.path == "/health" else 404)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def do_POST(self):  # noqa: N802
+                outer.posts += 1
+                length = int(self.headers.get("content-length", 0))
+                self.rfile.read(length)
+                body = b'{"error": "broken on purpose"}'
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -1,0 +1,76 @@
+"""Prometheus metrics of one router replica (`GET /metrics`), names prefixed `kvroute_`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from serve_app.breaker import STATE_CODE
+
+if TYPE_CHECKING:
+    from serve_app.breaker import Breakers
+    from serve_app.router import RouterCore
+
+_STATES = ("live", "idle", "down")
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class _FleetCollector(Collector):
+    """Per-worker gauges read from the replica's snapshot at scrape time (never stale copies)."""
+
+    def __init__(self, core: "RouterCore", breakers: "Breakers") -> None:
+        self.core = core
+        self.breakers = breakers
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        running = GaugeMetricFamily("kvroute_worker_running_requests", "Reported running requests", labels=["worker"])
+        waiting = GaugeMetricFamily("kvroute_worker_waiting_requests", "Reported queued requests", labels=["worker"])
+        kv = GaugeMetricFamily("kvroute_worker_kv_usage_ratio", "Reported KV cache use (0..1)", labels=["worker"])
+        inflight = GaugeMetricFamily("kvroute_worker_in_flight_requests",
+                                     "Requests this replica dispatched and not finished", labels=["worker"])
+        state = GaugeMetricFamily("kvroute_worker_state", "1 for the worker's current state", labels=["worker", "state"])
+        breaker = GaugeMetricFamily("kvroute_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open",
+                                    labels=["worker"])
+        for rec in self.core.follower.workers.values():
+            m = rec.metrics or {}
+            running.add_metric([rec.name], m.get("request_active_slots", 0))
+            waiting.add_metric([rec.name], m.get("num_requests_waiting", 0))
+            kv.add_metric([rec.name], m.get("gpu_cache_usage_perc", 0.0))
+            inflight.add_metric([rec.name], self.core.ledger.in_flight(rec.name))
+            for s in _STATES:
+                state.add_metric([rec.name, s], 1.0 if rec.state == s else 0.0)
+            breaker.add_metric([rec.name], STATE_CODE[self.breakers.state(rec.name)])
+        age = self.core.follower.snapshot_age_s()
+        snap = GaugeMetricFamily("kvroute_snapshot_age_seconds", "Time since the aggregator last answered")
+        snap.add_metric([], -1.0 if age is None else age)
+        up = GaugeMetricFamily("kvroute_aggregator_reachable", "1 if the last long poll succeeded")
+        up.add_metric([], 1.0 if self.core.follower.connected else 0.0)
+        yield from (running, waiting, kv, inflight, state, breaker, snap, up)
+
+
+class RouterMetrics:
+    """Counters and histograms recorded on the request path (O(1) each)."""
+
+    def __init__(self, core: "RouterCore", breakers: "Breakers") -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("kvroute_requests", "Requests by policy, worker and outcome",
+                                ["policy", "worker", "outcome"], registry=r)
+        self.decision_seconds = Histogram(
+            "kvroute_decision_seconds", "Time to choose a worker (policy + ledger + prefix lookup)",
+            buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2), registry=r)
+        self.ttft_seconds = Histogram("kvroute_upstream_ttft_seconds", "Dispatch to first upstream byte",
+                                      ["worker"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.duration_seconds = Histogram("kvroute_upstream_duration_seconds", "Dispatch to end of response",
+                                          ["worker"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.retries = Counter("kvroute_retries", "Attempts retried on another worker, by failed worker",
+                               ["worker"], registry=r)
+        self.breaker_opened = Counter("kvroute_breaker_opened", "Times a worker's breaker opened", ["worker"],
+                                      registry=r)
+        r.register(_FleetCollector(core, breakers))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
