@@ -87,7 +87,7 @@ def aggregator_options(settings: Settings, resources: dict[str, float] | None = 
         "namespace": NAMESPACE,
         "lifetime": "detached",
         "get_if_exists": True,
-        "resources": resources or {},
+        "resources": resources if resources is not None else dict(settings.aggregator_resources),
     }
 
 

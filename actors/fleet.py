@@ -40,6 +40,9 @@ class WorkerSpec(BaseModel):
     num_cpus: float = Field(0, ge=0)
     resources: dict[str, float] = Field(default_factory=dict)
     node_id: str | None = Field(None, description="pin the worker's actor to this Ray node")
+    host: str = Field(
+        "auto", description="managed engines listen here; auto = 127.0.0.1 on a one-node Ray, else the node's IP"
+    )
 
     @field_validator("name")
     @classmethod

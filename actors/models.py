@@ -71,6 +71,9 @@ class Settings(BaseModel):
     idle_after_s: float = Field(3.0, gt=0, description="silence after which a healthy worker is idle")
     down_after_s: float = Field(2.0, gt=0, description="heartbeat age after which a worker is down")
     state_tick_s: float = Field(0.1, gt=0, description="how often time-driven states are re-derived")
+    aggregator_resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources the aggregator requests (e.g. kvroute_head)"
+    )
     # router
     snapshot_poll_timeout_s: float = Field(5.0, gt=0, description="long-poll wait per call")
     reconnect_backoff_s: float = Field(0.1, gt=0, description="first retry delay to the aggregator")

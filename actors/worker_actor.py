@@ -122,6 +122,7 @@ class WorkerActor:
         if self.spec.managed:
             port = int(self.spec.url.rsplit(":", 1)[1]) if self.spec.url else None
             self.proc = ManagedProcess(self.spec, metrics_endpoint=self.endpoint, port=port,
+                                       host=_listen_host(self.spec.host),
                                        on_change=self._on_process_change)
             self.url = self.proc.url
             self._launch = loop.create_task(self._start_process())
@@ -367,6 +368,19 @@ class WorkerActor:
             await asyncio.sleep(self.settings.health_interval_s)
 
 
+def _listen_host(host: str) -> str:
+    """Where a managed engine listens: loopback on a one-node Ray (nothing else can reach it),
+    the node's IP on a cluster (the router on the head must reach it)."""
+    if host != "auto":
+        return host
+    try:
+        if len([n for n in ray.nodes() if n.get("Alive")]) > 1:
+            return ray.util.get_node_ip_address()
+    except Exception:
+        pass
+    return "127.0.0.1"
+
+
 def _default_endpoint(name: str) -> str:
     """Managed workers get a node-local ipc:// path chosen here (SGLang's own is random)."""
     import tempfile
@@ -381,15 +395,47 @@ def _node_id() -> str | None:
         return None
 
 
-def start_worker_actor(spec: WorkerSpec, settings: Settings, *, name_prefix: str = "kvroute-worker-") -> Any:
-    """Create the worker's actor (pinned to `spec.node_id` when known: ipc:// is node-local)."""
+WORKER_ACTOR_PREFIX = "kvroute-worker-"
+
+
+def start_worker_actor(
+    spec: WorkerSpec, settings: Settings, *, name_prefix: str = WORKER_ACTOR_PREFIX,
+    detached: bool = False, get_if_exists: bool = False,
+) -> Any:
+    """Create the worker's actor (pinned to `spec.node_id` when known: ipc:// is node-local).
+    `detached` + `get_if_exists`: idempotent from any router replica, outlives its creator."""
     opts: dict[str, Any] = {
         "name": f"{name_prefix}{spec.name}",
         "namespace": "kvroute",
+        "get_if_exists": get_if_exists,
         "num_gpus": spec.num_gpus,
         "num_cpus": spec.num_cpus,
         "resources": dict(spec.resources),
     }
+    if detached:
+        opts["lifetime"] = "detached"
     if spec.node_id:
         opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(spec.node_id, soft=False)
     return WorkerActor.options(**opts).remote(spec.model_dump(), settings.model_dump())
+
+
+def kill_worker_actors(prefix: str = WORKER_ACTOR_PREFIX, names: list[str] | None = None) -> list[str]:
+    """Stop and kill kvroute's named worker actors (all, or those of `names`). Returns the names."""
+    killed = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name, ns = (entry["name"], entry["namespace"]) if isinstance(entry, dict) else (entry, "kvroute")
+        if ns != "kvroute" or not name.startswith(prefix):
+            continue
+        if names is not None and name[len(prefix):] not in names:
+            continue
+        try:
+            handle = ray.get_actor(name, namespace="kvroute")
+            try:
+                ray.get(handle.stop.remote(deregister=True), timeout=10)
+            except Exception:
+                pass
+            ray.kill(handle, no_restart=True)
+            killed.append(name[len(prefix):])
+        except ValueError:
+            continue
+    return killed

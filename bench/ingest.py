@@ -108,7 +108,7 @@ def bench_freshness(n_emitters: int, seconds: float, period_s: float) -> dict:
     ray.get(agg.ping.remote())
     actors = [start_worker_actor(w, fleet.settings, name_prefix=f"bench{n_emitters}-") for w in fleet.workers]
     ray.get([a.ready.remote() for a in actors])
-    serve.run(build_app({"fleet": fleet.model_dump(mode="json")}), name=f"fresh{n_emitters}", route_prefix=f"/fresh{n_emitters}")
+    serve.run(build_app({"fleet": fleet.model_dump(mode="json"), "manage_fleet": False}), name=f"fresh{n_emitters}", route_prefix=f"/fresh{n_emitters}")
     base = f"http://127.0.0.1:{BENCH_PORT}/fresh{n_emitters}"
     client = httpx.Client(base_url=base, timeout=10)
     deadline = time.monotonic() + 60

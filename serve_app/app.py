@@ -16,6 +16,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
 from actors.aggregator import get_or_create_aggregator
+from actors.fleet import FleetError, parse_fleet
+from actors.worker_actor import kill_worker_actors, start_worker_actor
 from actors.models import Settings
 from serve_app.breaker import BreakerConfig, Breakers
 from serve_app.config import AppArgs, RouterConfig
@@ -74,8 +76,21 @@ class KvRouter:
         self.breakers = Breakers(BreakerConfig(self.config.breaker_failures, self.config.breaker_open_s))
         self.metrics = RouterMetrics(self.core, self.breakers)
         self.follower.start()
+        self._fleet = fleet if app_args.manage_fleet else None
+        self._ensure_task = asyncio.get_running_loop().create_task(self._ensure_fleet())
         self._share_task = asyncio.get_running_loop().create_task(self._share_in_flight())
         logger.info("router replica %s up, policy %s", self.replica_id, self.config.policy)
+
+    async def _ensure_fleet(self) -> None:
+        """`serve deploy` path: nobody else starts the worker actors, so every replica makes sure
+        they exist (named, detached, get-if-exists: idempotent across replicas and restarts)."""
+        if self._fleet is None:
+            return
+        for spec in self._fleet.expanded():
+            try:
+                await asyncio.to_thread(start_worker_actor, spec, self.settings, detached=True, get_if_exists=True)
+            except Exception:
+                logger.exception("worker %s: could not create its actor", spec.name)
 
     async def _resolve_aggregator(self) -> Any:
         return await asyncio.to_thread(get_or_create_aggregator, self.settings)
@@ -145,6 +160,57 @@ class KvRouter:
     async def healthz(self) -> JSONResponse:
         h = self.core.healthz()
         return JSONResponse(h, status_code=200 if h["status"] != "unavailable" else 503)
+
+    def _admin(self, request: Request) -> JSONResponse | None:
+        key = self.config.admin_key
+        if not key:
+            return _error(403, "fleet changes are disabled: set router admin_key (env KVROUTE_ADMIN_KEY)",
+                          code="admin_disabled")
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            return _error(401, "missing or invalid admin key (Authorization: Bearer <admin key>)", code="invalid_admin_key")
+        return None
+
+    @fastapi_app.post("/admin/workers")
+    async def add_workers(self, request: Request) -> JSONResponse:
+        """Add workers at run time: body is a fleet mapping `{"workers": [...]}` or one worker entry."""
+        if (denied := self._admin(request)) is not None:
+            return denied
+        parsed = await self._json_body(request)
+        if isinstance(parsed, JSONResponse):
+            return parsed
+        _, body = parsed
+        try:
+            fleet = parse_fleet(body if "workers" in body else {"workers": [body]}, "request body")
+        except FleetError as exc:
+            return _error(400, str(exc), code="invalid_fleet")
+        clash = [w.name for w in fleet.expanded() if w.name in self.follower.workers]
+        if clash:
+            return _error(409, f"worker(s) already in the fleet: {', '.join(clash)}", code="worker_exists")
+        added = []
+        for spec in fleet.expanded():
+            try:
+                actor = await asyncio.to_thread(start_worker_actor, spec, self.settings, detached=True)
+                info = await asyncio.wait_for(actor.ready.remote(), timeout=300)
+            except Exception as exc:
+                await asyncio.to_thread(kill_worker_actors, names=[spec.name])
+                return _error(400, f"worker {spec.name}: {str(exc).strip().splitlines()[-1][:300]}",
+                              code="worker_failed", headers=None)
+            added.append({"name": spec.name, "url": info["url"], "metrics_endpoint": info["metrics_endpoint"]})
+        logger.info("fleet: added %s", ", ".join(a["name"] for a in added))
+        return JSONResponse({"added": added})
+
+    @fastapi_app.delete("/admin/workers/{name}")
+    async def remove_worker(self, name: str, request: Request) -> JSONResponse:
+        if (denied := self._admin(request)) is not None:
+            return denied
+        killed = await asyncio.to_thread(kill_worker_actors, names=[name])
+        agg = await self._resolve_aggregator()
+        removed = await agg.remove.remote(name)
+        if not killed and not removed:
+            return _error(404, f"no worker named {name!r}", code="unknown_worker")
+        logger.info("fleet: removed %s", name)
+        return JSONResponse({"removed": name})
 
     @fastapi_app.get("/metrics")
     async def prometheus(self, request: Request) -> Response:
@@ -336,6 +402,8 @@ def build_app(args: dict[str, Any]) -> Any:
     app_args = AppArgs.model_validate(args)
     cfg = app_args.router
     opts: dict[str, Any] = {"max_ongoing_requests": cfg.max_ongoing_requests}
+    if app_args.replica_resources:
+        opts["ray_actor_options"] = {"num_cpus": 0, "resources": dict(app_args.replica_resources)}
     if cfg.num_replicas == "auto":
         opts["num_replicas"] = "auto"
     else:

@@ -80,7 +80,9 @@ class FleetRunner:
             self.progress(f"  worker {name}: metrics on {info['metrics_endpoint']}, http {info['url']}")
         self.progress("starting the router (Ray Serve) …")
         serve.start(http_options={"host": self.host, "port": self.port})
-        args = {"fleet": self.fleet.model_dump(mode="json"), "router": self.router.model_dump(mode="json")}
+        # this process owns the worker actors (they die with it); replicas need not create them
+        args = {"fleet": self.fleet.model_dump(mode="json"), "router": self.router.model_dump(mode="json"),
+                "manage_fleet": False}
         serve.run(build_app(args), name=APP_NAME, route_prefix="/", blocking=False)
         return f"http://{'127.0.0.1' if self.host in ('0.0.0.0', '::') else self.host}:{self.port}"
 
@@ -89,6 +91,7 @@ class FleetRunner:
         from ray import serve
 
         from actors.aggregator import kill_aggregator
+        from actors.worker_actor import kill_worker_actors
         from serve_app.app import APP_NAME
 
         if not ray.is_initialized():
@@ -104,6 +107,7 @@ class FleetRunner:
                 ray.kill(a, no_restart=True)
             except Exception:
                 pass
+        kill_worker_actors()  # and any worker added at run time (fleet add: detached actors)
         self.progress("stopping the router …")
         try:
             serve.delete(APP_NAME)
@@ -139,6 +143,8 @@ def _router_config(ns: argparse.Namespace) -> RouterConfig:
         cfg["policy"] = ns.policy
     if getattr(ns, "api_key", None):
         cfg["api_key"] = ns.api_key
+    if getattr(ns, "admin_key", None):
+        cfg["admin_key"] = ns.admin_key
     if getattr(ns, "max_body_bytes", None):
         cfg["max_body_bytes"] = ns.max_body_bytes
     return RouterConfig.model_validate(cfg).with_env()
@@ -234,6 +240,61 @@ def cmd_status(ns: argparse.Namespace) -> int:
     return print_status(ns.url, api_key=ns.api_key or os.environ.get("KVROUTE_API_KEY"))
 
 
+def _admin_call(ns: argparse.Namespace, method: str, path: str, body: Any = None) -> int:
+    import httpx
+
+    key = ns.admin_key or os.environ.get("KVROUTE_ADMIN_KEY")
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    try:
+        r = httpx.request(method, f"{ns.url.rstrip('/')}{path}", json=body, headers=headers, timeout=330)
+    except httpx.HTTPError as exc:
+        print(f"kvroute: cannot reach {ns.url}: {type(exc).__name__}", file=sys.stderr)
+        return 1
+    if r.status_code >= 400:
+        try:
+            msg = r.json()["error"]["message"]
+        except Exception:
+            msg = r.text[:300]
+        print(f"kvroute: {r.status_code}: {msg}", file=sys.stderr)
+        return 1
+    print(r.text)
+    return 0
+
+
+def cmd_fleet_add(ns: argparse.Namespace) -> int:
+    try:
+        fleet = load_fleet(ns.file)
+    except FleetError as exc:
+        print(f"kvroute: {exc}", file=sys.stderr)
+        return 2
+    return _admin_call(ns, "POST", "/admin/workers", {"workers": [w.model_dump(mode="json") for w in fleet.workers]})
+
+
+def cmd_fleet_remove(ns: argparse.Namespace) -> int:
+    return _admin_call(ns, "DELETE", f"/admin/workers/{ns.name}")
+
+
+def cmd_down(ns: argparse.Namespace) -> int:
+    """Remove everything kvroute left on a cluster (serve deploy path): app, workers, aggregator."""
+    import ray
+    from ray import serve
+
+    from actors.aggregator import kill_aggregator
+    from actors.worker_actor import kill_worker_actors
+    from serve_app.app import APP_NAME
+
+    ray.init(address=ns.address, namespace="kvroute", logging_level=logging.WARNING, log_to_driver=False)
+    try:
+        serve.delete(APP_NAME)
+    except Exception as exc:
+        log.info("serve delete: %s", exc)
+    workers = kill_worker_actors()
+    agg = kill_aggregator()
+    print(f"kvroute down: removed app {APP_NAME!r}, {len(workers)} worker actor(s), "
+          f"aggregator {'killed' if agg else 'not found'}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvroute", description="KV-cache-aware routing for SGLang workers on Ray")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -243,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"router HTTP port (default {DEFAULT_PORT})")
         sp.add_argument("--policy", default=None, help="default routing policy")
         sp.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (env KVROUTE_API_KEY)")
+        sp.add_argument("--admin-key", default=None, help="enables /admin fleet changes (env KVROUTE_ADMIN_KEY)")
         sp.add_argument("--max-body-bytes", type=int, default=None, help="refuse larger request bodies (413)")
         sp.add_argument("-v", "--verbose", action="store_true")
 
@@ -264,6 +326,22 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}")
     st.add_argument("--api-key", default=None)
     st.set_defaults(func=cmd_status)
+
+    fl = sub.add_parser("fleet", help="add or remove workers of a running router (admin key)")
+    fsub = fl.add_subparsers(dest="fleet_cmd", required=True)
+    fa = fsub.add_parser("add", help="add the workers of a fleet file")
+    fa.add_argument("file")
+    fr = fsub.add_parser("remove", help="remove one worker by name")
+    fr.add_argument("name")
+    for sp in (fa, fr):
+        sp.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}")
+        sp.add_argument("--admin-key", default=None, help="env KVROUTE_ADMIN_KEY")
+    fa.set_defaults(func=cmd_fleet_add)
+    fr.set_defaults(func=cmd_fleet_remove)
+
+    dn = sub.add_parser("down", help="remove kvroute's app, worker actors and aggregator from a cluster")
+    dn.add_argument("--address", default="auto")
+    dn.set_defaults(func=cmd_down)
     return p
 
 

@@ -58,6 +58,12 @@ class AppArgs(BaseModel):
         None, description="fleet file path or inline fleet mapping; None = workers added at run time"
     )
     router: RouterConfig = Field(default_factory=RouterConfig)
+    replica_resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources each router replica requests (e.g. kvroute_head)"
+    )
+    manage_fleet: bool = Field(
+        True, description="router replicas make sure every fleet worker has its (detached) actor"
+    )
 
     def fleet_spec(self) -> FleetSpec | None:
         if self.fleet is None or isinstance(self.fleet, FleetSpec):

@@ -46,7 +46,7 @@ def fleet_env(ray_cluster, serve_port, tmp_path_factory):
     ray.get([a.ready.remote() for a in actors.values()])
     emitters = {w.name: Emitter(w.metrics_endpoint, form="0.5.23") for w in fleet.workers}
     serve.run(
-        build_app({"fleet": fleet.model_dump(mode="json"), "router": {"policy": "least_loaded", "seed": 1}}),
+        build_app({"fleet": fleet.model_dump(mode="json"), "manage_fleet": False, "router": {"policy": "least_loaded", "seed": 1}}),
         name="spine", route_prefix=PREFIX,
     )
     base = f"http://127.0.0.1:{serve_port}{PREFIX}"
