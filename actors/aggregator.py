@@ -17,7 +17,9 @@ AGGREGATOR_NAME = "kvroute-aggregator"
 NAMESPACE = "kvroute"
 
 
-@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
+# max_task_retries=-1: calls made while Ray restarts it wait for the new incarnation instead of
+# failing (every method is idempotent), so pushes and long polls resume the moment it is back.
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
 class Aggregator:
     """Named, detached, restartable. Holds only soft state: after a restart the workers'
     heartbeats (≤ `heartbeat_s`) make it whole again, and the new epoch tells routers to resync."""

@@ -77,7 +77,7 @@ class Settings(BaseModel):
     # router
     snapshot_poll_timeout_s: float = Field(5.0, gt=0, description="long-poll wait per call")
     reconnect_backoff_s: float = Field(0.1, gt=0, description="first retry delay to the aggregator")
-    reconnect_backoff_max_s: float = Field(2.0, gt=0, description="cap of that delay")
+    reconnect_backoff_max_s: float = Field(0.5, gt=0, description="cap of that delay")
 
 
 def derive_state(

@@ -41,7 +41,7 @@ class FleetFollower:
         *,
         poll_timeout_s: float = 5.0,
         backoff_s: float = 0.1,
-        backoff_max_s: float = 2.0,
+        backoff_max_s: float = 0.5,
         on_update: Callable[[list[str]], None] | None = None,
     ) -> None:
         self._resolve = resolve
