@@ -60,7 +60,9 @@ class WorkerSpec(BaseModel):
 
     @field_validator("metrics_endpoint", "kv_events_endpoint")
     @classmethod
-    def _endpoint_ok(cls, v: str | None) -> str | None:
+    def _endpoint_ok(cls, v: str | None, info: Any) -> str | None:
+        if v == "auto" and info.field_name == "kv_events_endpoint":
+            return v  # managed mode: a free loopback/node port chosen at launch
         if v is not None and not _ENDPOINT.match(v):
             raise ValueError("must be ipc://PATH or tcp://HOST:PORT")
         if v is not None and v.startswith("tcp://") and v.split("//")[1].split(":")[0] in ("*", "0.0.0.0"):
@@ -77,6 +79,8 @@ class WorkerSpec(BaseModel):
                 )
             if self.replicas != 1:
                 raise ValueError("replicas needs managed mode (engine: sim|sglang)")
+        if self.kv_events_endpoint == "auto" and self.engine is None:
+            raise ValueError("kv_events_endpoint: auto needs managed mode (engine: sim|sglang)")
         if self.engine == "sglang" and not self.model:
             raise ValueError("engine: sglang needs model (a model path or name)")
         return self

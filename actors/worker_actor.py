@@ -22,6 +22,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from actors.aggregator import get_or_create_aggregator
 from actors.fleet import WorkerSpec
 from actors.ingest import MetricsBook
+from actors.kv_events import KvEventError, SeqTracker, decode_kv_event_frame, is_replay_end
+from actors.kv_log import KvLog
 from actors.launcher import LaunchError, ManagedProcess
 from actors.models import Settings
 
@@ -92,6 +94,11 @@ class WorkerActor:
 
     def __init__(self, spec: dict[str, Any], settings: dict[str, Any] | None = None) -> None:
         self.spec = WorkerSpec.model_validate(spec)
+        if self.spec.kv_events_endpoint == "auto":  # managed engine: its PUB binds a port we pick
+            from actors.launcher import free_port
+
+            host = _listen_host(self.spec.host)
+            self.spec = self.spec.model_copy(update={"kv_events_endpoint": f"tcp://{host}:{free_port(host)}"})
         self.settings = Settings.model_validate(settings or {})
         self.name = self.spec.name
         self.incarnation = uuid.uuid4().hex[:12]
@@ -126,11 +133,24 @@ class WorkerActor:
                                        on_change=self._on_process_change)
             self.url = self.proc.url
             self._launch = loop.create_task(self._start_process())
+        self.kv_log: KvLog | None = None
+        self._kv_changed = asyncio.Event()
+        self._kv_refused: dict[str, int] = {}
+        self._kv_trackers: dict[int, SeqTracker] = {}
+        if self.spec.kv_events_endpoint:
+            self.kv_log = KvLog()
+            self._kv_sock = self._ctx.socket(zmq.SUB)
+            self._kv_sock.setsockopt(zmq.LINGER, 0)
+            self._kv_sock.setsockopt(zmq.MAXMSGSIZE, 16 * 1024 * 1024)
+            self._kv_sock.setsockopt(zmq.SUBSCRIBE, b"")
+            self._kv_sock.connect(self.spec.kv_events_endpoint)  # SGLang's publisher binds
         self._tasks = [
             loop.create_task(self._recv_loop()),
             loop.create_task(self._push_loop()),
             loop.create_task(self._health_loop()),
         ]
+        if self.kv_log is not None:
+            self._tasks.append(loop.create_task(self._kv_loop()))
         logger.info("worker %s: PULL bound on %s, probing %s/health", self.name, self.endpoint, self.url)
 
     # --- public methods -----------------------------------------------------------------------
@@ -166,7 +186,24 @@ class WorkerActor:
             "aggregator_epoch": self._agg_epoch,
             "last_refusal": self.book.last_error,
             "latest": {r: m.model_dump() for r, m in self.book.latest().items()},
+            "kv_events": None if self.kv_log is None else {
+                "seq": self.kv_log.seq, "blocks": self.kv_log.blocks(), "refused": dict(self._kv_refused),
+                "gaps": sum(t.gaps for t in self._kv_trackers.values()),
+            },
         }
+
+    async def kv_since(self, epoch: str | None, seq: int, timeout_s: float = 5.0) -> dict[str, Any] | None:
+        """Long poll for router replicas: KV events after their cursor (or the whole state when the
+        cursor is from another epoch or too old). None if this worker publishes no KV events."""
+        if self.kv_log is None:
+            return None
+        if epoch == self.kv_log.epoch and seq >= self.kv_log.seq:
+            event = self._kv_changed
+            try:
+                await asyncio.wait_for(event.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        return self.kv_log.since(epoch, seq)
 
     async def stop(self, deregister: bool = True) -> None:
         """Close the socket (linger 0), stop the loops, optionally leave the registry. ≤ 1 s."""
@@ -179,6 +216,8 @@ class WorkerActor:
         if self.proc is not None:
             await self.proc.stop()
         self._sock.close(linger=0)
+        if self.kv_log is not None:
+            self._kv_sock.close(linger=0)
         path = _ipc_path(self.endpoint or "")
         if path and os.path.exists(path):
             try:
@@ -221,6 +260,36 @@ class WorkerActor:
                 logger.exception("worker %s: receive loop error", self.name)
                 await asyncio.sleep(0.01)
 
+    # --- KV events (exact prefix mode) ---------------------------------------------------------
+
+    async def _kv_loop(self) -> None:
+        assert self.kv_log is not None
+        while True:
+            try:
+                frames = await self._kv_sock.recv_multipart()
+                if is_replay_end(frames):
+                    continue
+                try:
+                    batch = decode_kv_event_frame(frames)
+                except KvEventError as exc:
+                    self._kv_refused[exc.reason] = self._kv_refused.get(exc.reason, 0) + 1
+                    continue
+                tracker = self._kv_trackers.setdefault(batch.dp_rank, SeqTracker())
+                status = tracker.observe(batch.seq)
+                if status.lost_state:
+                    logger.warning("worker %s: KV events %s (rank %d); dropping that rank's entries",
+                                   self.name, status.kind, batch.dp_rank)
+                    self.kv_log.lose_rank(batch.dp_rank)
+                if status.apply and batch.events:
+                    self.kv_log.apply(batch.dp_rank, batch.events)
+                self._kv_changed.set()
+                self._kv_changed = asyncio.Event()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("worker %s: KV event loop error", self.name)
+                await asyncio.sleep(0.01)
+
     # --- push ---------------------------------------------------------------------------------
 
     def _batch(self) -> dict[str, Any]:
@@ -236,7 +305,10 @@ class WorkerActor:
         }
 
     def _extra(self) -> dict[str, Any]:
-        return self.proc.status.as_dict() if self.proc else {}
+        extra: dict[str, Any] = self.proc.status.as_dict() if self.proc else {}
+        if self.kv_log is not None:  # routers follow this actor's KV log (exact prefix mode)
+            extra["kv_events_actor"] = ray.get_runtime_context().get_actor_name()
+        return extra
 
     async def _push_loop(self) -> None:
         s = self.settings

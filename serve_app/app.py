@@ -13,6 +13,7 @@ from typing import Any, AsyncIterator
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+import ray
 from ray import serve
 
 from actors.aggregator import get_or_create_aggregator
@@ -23,6 +24,7 @@ from serve_app.breaker import BreakerConfig, Breakers
 from serve_app.config import AppArgs, RouterConfig
 from serve_app.metrics import RouterMetrics
 from serve_app.follower import FleetFollower
+from serve_app.kv_follower import KvFollower
 from serve_app.policies import NoWorkerAvailable, UnknownPolicy
 from serve_app.proxy import Upstream, UpstreamClient, UpstreamError, forward_headers, sse_error_event
 from serve_app.request_facts import InvalidRequestBody
@@ -75,6 +77,8 @@ class KvRouter:
         self.upstream = UpstreamClient(self.config.upstream_connect_timeout_s, self.config.upstream_read_timeout_s)
         self.breakers = Breakers(BreakerConfig(self.config.breaker_failures, self.config.breaker_open_s))
         self.metrics = RouterMetrics(self.core, self.breakers)
+        self.core.kv_follower = KvFollower(self.core.exact, self._resolve_actor,
+                                           poll_timeout_s=self.settings.snapshot_poll_timeout_s)
         self.follower.start()
         self._fleet = fleet if app_args.manage_fleet else None
         self._ensure_task = asyncio.get_running_loop().create_task(self._ensure_fleet())
@@ -91,6 +95,9 @@ class KvRouter:
                 await asyncio.to_thread(start_worker_actor, spec, self.settings, detached=True, get_if_exists=True)
             except Exception:
                 logger.exception("worker %s: could not create its actor", spec.name)
+
+    async def _resolve_actor(self, name: str) -> Any:
+        return await asyncio.to_thread(ray.get_actor, name, "kvroute")
 
     async def _resolve_aggregator(self) -> Any:
         return await asyncio.to_thread(get_or_create_aggregator, self.settings)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -22,7 +22,10 @@ class RouterConfig(BaseModel):
     api_key: str | None = Field(None, description=f"Bearer key for every route but /healthz (env {API_KEY_ENV})")
     admin_key: str | None = Field(None, description=f"Bearer key for fleet changes (env {ADMIN_KEY_ENV})")
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="request bodies above are refused (413)")
-    block_size: int = Field(16, ge=1, description="prefix-index block size in tokens")
+    block_size: int = Field(16, ge=1, description="prefix-index block size in tokens (= engines' page_size for exact mode)")
+    tokenizer: Literal["none", "sim"] = Field(
+        "none", description="tokenize prompts like the engine: enables exact prefix mode from KV events"
+    )
     upstream_connect_timeout_s: float = Field(2.0, gt=0)
     upstream_read_timeout_s: float = Field(600.0, gt=0, description="per-chunk read timeout upstream")
     max_attempts: int = Field(3, ge=1, description="tries on different workers before the first byte")

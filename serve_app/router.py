@@ -15,7 +15,8 @@ from serve_app.follower import FleetFollower, WorkerRecord
 from serve_app.ledger import Ledger, refresh_fleet
 from serve_app.policies import POLICIES, Decision, RouteRequest, WorkerView, get_policy
 from serve_app.policies.fleet import FleetView
-from serve_app.prefix_index import PrefixIndex
+from serve_app.kv_follower import KvFollower
+from serve_app.prefix_index import KvEventIndex, PrefixIndex
 from serve_app.request_facts import FactsConfig, facts_from_body
 
 
@@ -45,6 +46,8 @@ class RouterCore:
         self.rng = random.Random(config.seed)
         self.ledger = Ledger(replica_id=replica_id)
         self.prefix = PrefixIndex()
+        self.exact = KvEventIndex(config.block_size)
+        self.kv_follower: KvFollower | None = None  # set by the Serve shell (needs Ray handles)
         self.facts_config = FactsConfig(block_tokens=config.block_size)
         self.default_policy = config.policy
         get_policy(self.default_policy)  # unknown default → error at start, not per request
@@ -61,6 +64,8 @@ class RouterCore:
         for name in changed:
             rec = self.follower.workers.get(name)
             if rec is None:
+                if self.kv_follower is not None:
+                    self.kv_follower.drop(name)
                 self._base.pop(name, None)
                 self.fleet.remove(name)
                 self.ledger.remove_worker(name)
@@ -70,6 +75,9 @@ class RouterCore:
                 continue
             if rec.metrics_at is not None:
                 self.ledger.on_report(name, rec.metrics_at)
+            actor_name = rec.extra.get("kv_events_actor")
+            if actor_name and self.kv_follower is not None:
+                self.kv_follower.ensure(name, actor_name)
             base = base_view(rec)
             self._base[name] = base
             self.fleet.update(self.ledger.apply(base))
@@ -101,7 +109,24 @@ class RouterCore:
 
     def facts(self, body: Any) -> RouteRequest:
         """Routing facts of an OpenAI/SGLang body. Raises InvalidRequestBody (→ 400)."""
-        return facts_from_body(body, config=self.facts_config)
+        ids = self._tokenize(body) if self.config.tokenizer != "none" else None
+        return facts_from_body(body, config=self.facts_config, token_ids=ids)
+
+    def _tokenize(self, body: Any) -> list[int] | None:
+        """The prompt's token ids as the engine sees them (exact mode); None when not derivable."""
+        from sim import tokenizer  # the only tokenizer offered so far: the simulator's
+
+        if not isinstance(body, dict):
+            return None
+        try:
+            if isinstance(body.get("messages"), list):
+                return list(tokenizer.apply_chat_template(body["messages"]))
+            for key in ("prompt", "text"):
+                if isinstance(body.get(key), str):
+                    return tokenizer.encode(body[key], add_bos=True)
+        except Exception:  # malformed content: facts_from_body reports it precisely
+            return None
+        return None
 
     def policy(self, name: str | None) -> Any:
         name = name or self.default_policy
@@ -116,7 +141,13 @@ class RouterCore:
         """Pick a worker (never one in `exclude`, e.g. already failed for this request)."""
         policy = self.policy(policy_name)
         if request.block_hashes:
-            request = request.with_overlap(self.prefix.overlap(request.block_hashes))
+            overlap = self.prefix.overlap(request.block_hashes)
+            synced = self.kv_follower.synced if self.kv_follower is not None else ()
+            if synced:  # exact mode: what the engine reports it holds beats what we sent it
+                exact = self.exact.overlap(request.block_hashes)
+                for w in synced:
+                    overlap[w] = exact.get(w, 0)
+            request = request.with_overlap(overlap)
         fleet = self.views()
         workers = fleet if not exclude else [v for v in fleet if v.name not in exclude]
         return policy.choose(request, workers, self.rng)
