@@ -56,6 +56,9 @@ class MetricsBook:
         except WireError as exc:
             self.refuse(exc.reason, str(exc))
             return None
+        except Exception as exc:  # defence in depth: a decoder bug must cost one frame, not the loop
+            self.refuse("decoder_error", f"{type(exc).__name__}")
+            return None
         self.accept(m)
         return m
 

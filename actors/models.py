@@ -20,7 +20,8 @@ KV_METRICS_FIELDS: tuple[str, ...] = (
     "data_parallel_rank",
 )
 
-Count = Annotated[int, Field(ge=0, strict=True)]
+INT64_MAX = 2**63 - 1  # SGLang's counts are C/torch int64s; anything larger is not a real report
+Count = Annotated[int, Field(ge=0, le=INT64_MAX, strict=True)]
 Fraction = Annotated[float, Field(ge=0.0, le=1.0, strict=True, allow_inf_nan=False)]
 
 

@@ -85,7 +85,49 @@ _FIELD_KEYS = frozenset(KV_METRICS_FIELDS)
 _validator = KvMetrics.__pydantic_validator__
 
 
+# Opcodes a KvMetrics pickle (protocol 2-5) can contain → how many argument bytes follow:
+# n ≥ 0 fixed, -1/-4/-8 a little-endian length prefix of that many bytes (1, 4, 8).
+_ARG_BYTES: dict[int, int] = {
+    **dict.fromkeys(b"N\x88\x89]ael)t\x85\x86\x87}dsu012(\x94\x93Rb\x81.", 0),
+    ord("K"): 1, ord("M"): 2, ord("J"): 4, ord("G"): 8, ord("h"): 1, ord("j"): 4, ord("q"): 1,
+    0x80: 1, 0x95: 8,  # PROTO, FRAME
+    0x8C: -1, ord("U"): -1, 0x8A: -1,  # SHORT_BINUNICODE, SHORT_BINSTRING, LONG1
+    ord("X"): -4, 0x8B: -4,  # BINUNICODE, LONG4
+}
+_GLOBAL_OPCODES = frozenset(b"cio\x92")  # GLOBAL, INST, OBJ, NEWOBJ_EX: protocol-0/2 ways to name code
+
+
+def _check_opcodes(frame: bytes) -> None:
+    """Walk the opcodes before the C unpickler sees them. Refuses any opcode SGLang's KvMetrics
+    pickles never use — notably LONG_BINPUT, whose index makes the C unpickler allocate and zero a
+    memo of that size (a 9-byte frame could cost GiBs), extension codes and persistent ids."""
+    i, n = 0, len(frame)
+    get = _ARG_BYTES.get
+    try:
+        while True:
+            op = frame[i]
+            arg = get(op)
+            if arg is None:
+                if op in _GLOBAL_OPCODES:
+                    raise WireError("forbidden_global", f"opcode {chr(op)!r} names a global outside the allow-list")
+                raise WireError("bad_pickle", f"opcode 0x{op:02x} at byte {i} is not used by SGLang's KvMetrics")
+            if arg == 0:
+                if op == 0x2E:  # STOP
+                    return
+                i += 1
+            elif arg > 0:
+                i += 1 + arg
+            elif arg == -1:
+                i += 2 + frame[i + 1]
+            else:
+                i += 5 + int.from_bytes(frame[i + 1:i + 5], "little")
+    except IndexError:
+        pass
+    raise WireError("bad_pickle", "truncated pickle")
+
+
 def _fields_from_pickle(frame: bytes) -> dict[str, Any]:
+    _check_opcodes(frame)
     try:
         obj = _AllowListUnpickler(io.BytesIO(frame)).load()
     except WireError:
@@ -155,6 +197,27 @@ def _validate(fields: dict[str, Any]) -> KvMetrics:
 
 
 def _invalid(exc: ValidationError) -> WireError:
-    err = exc.errors()[0]
+    err = exc.errors(include_url=False, include_context=False, include_input=False)[0]
     where = ".".join(str(p) for p in err["loc"]) or "frame"
-    return WireError("invalid_value", f"{where}: {err['msg']} (got {err.get('input')!r:.40})")
+    return WireError("invalid_value", f"{where}: {err['msg']} (got {_describe(_input_at(exc))})")
+
+
+def _input_at(exc: ValidationError) -> Any:
+    # the offending value without letting pydantic render it (repr of a hostile value can explode)
+    try:
+        return exc.errors(include_url=False, include_context=False)[0].get("input")
+    except Exception:
+        return None
+
+
+def _describe(value: Any) -> str:
+    """A bounded description of a refused value: never the repr of a container."""
+    if isinstance(value, bool) or value is None:
+        return repr(value)
+    if isinstance(value, int):
+        return repr(value) if -10**18 < value < 10**18 else f"an int of {value.bit_length()} bits"
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, str):
+        return repr(value[:40])
+    return f"a {type(value).__name__}"

@@ -248,3 +248,27 @@ def test_wire_error_is_a_value_error_with_a_reason():
 def test_kv_metrics_model_has_exactly_sglangs_eight_fields():
     assert tuple(KvMetrics.model_fields) == KV_METRICS_FIELDS
     assert len(KV_METRICS_FIELDS) == 8
+
+
+def test_a_huge_memo_index_is_refused_before_the_unpickler_allocates():
+    # LONG_BINPUT 2**25 would make the C unpickler zero-fill a 512 MiB memo
+    with pytest.raises(WireError) as err:
+        decode_kv_metrics(b"\x80\x04Nr\x00\x00\x00\x02.")
+    assert err.value.reason == "bad_pickle" and "0x72" in str(err.value)
+
+
+def test_a_deeply_nested_value_is_refused_without_rendering_it():
+    obj = make_kv_metrics("0.5.8", **VALUES)
+    nested: list = []
+    for _ in range(5000):
+        nested = [nested]
+    obj.request_active_slots = nested
+    with pytest.raises(WireError) as err:
+        decode_kv_metrics(pickle.dumps(obj, protocol=4), max_bytes=1 << 20)
+    assert err.value.reason == "invalid_value" and "a list" in str(err.value)
+
+
+def test_counts_beyond_int64_are_refused():
+    with pytest.raises(WireError) as err:
+        decode_kv_metrics(encode_kv_metrics("0.5.23", **{**VALUES, "num_requests_waiting": 10**400}))
+    assert err.value.reason == "invalid_value" and "num_requests_waiting" in str(err.value)
