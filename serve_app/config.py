@@ -33,7 +33,32 @@ class RouterConfig(BaseModel):
     breaker_open_s: float = Field(5.0, gt=0, description="seconds a worker is skipped before one probe")
     max_ongoing_requests: int = Field(1024, ge=1, description="per router replica (Serve's default is 5)")
     num_replicas: int | str = Field(1, description="router replicas, or 'auto'")
+    kv_aware: dict[str, float] = Field(
+        default_factory=dict, description="KvAwareConfig knobs, e.g. {queued_request_blocks: 64, tolerance: 0.2}"
+    )
     seed: int | None = None
+
+    @field_validator("kv_aware")
+    @classmethod
+    def _kv_aware_knobs(cls, v: dict[str, float]) -> dict[str, float]:
+        from serve_app.policies.kv_aware import KvAwareConfig
+
+        import dataclasses
+
+        known = {f.name for f in dataclasses.fields(KvAwareConfig)}
+        unknown = sorted(set(v) - known)
+        if unknown:
+            raise ValueError(f"unknown kv_aware knob(s) {unknown}; valid: {sorted(known)}")
+        KvAwareConfig(**v)  # a bad value raises ValueError naming the knob
+        return v
+
+    @field_validator("policy")
+    @classmethod
+    def _policy_known(cls, v: str) -> str:
+        from serve_app.policies import get_policy
+
+        get_policy(v)  # UnknownPolicy lists the valid names
+        return v
 
     @field_validator("api_key", "admin_key")
     @classmethod

@@ -52,6 +52,10 @@ class RouterCore:
         self.default_policy = config.policy
         get_policy(self.default_policy)  # unknown default → error at start, not per request
         self._policies = {name: get_policy(name) for name in POLICIES}
+        if config.kv_aware:
+            from serve_app.policies.kv_aware import KvAware, KvAwareConfig
+
+            self._policies["kv_aware"] = KvAware(KvAwareConfig(**config.kv_aware))
         self._base: dict[str, WorkerView] = {}
         self.fleet = FleetView()
         self._remote: dict[str, dict[str, int]] = {}  # other replica → {worker: pending}

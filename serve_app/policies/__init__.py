@@ -24,7 +24,11 @@ DEFAULT_POLICY = "kv_aware"
 
 class UnknownPolicy(ValueError):
     def __init__(self, name: str) -> None:
-        super().__init__(f"unknown policy {name!r}; valid: {', '.join(sorted(POLICIES))}")
+        import difflib
+
+        close = difflib.get_close_matches(str(name), POLICIES, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        super().__init__(f"unknown policy {name!r}{hint}; valid: {', '.join(sorted(POLICIES))}")
         self.name = name
 
 
