@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from actors.fleet import FleetError, FleetSpec, load_fleet, parse_fleet
-from serve_app.config import RouterConfig
+from serve_app.config import ADMIN_KEY_ENV, API_KEY_ENV, RouterConfig
 
 log = logging.getLogger("kvroute.cli")
 
@@ -57,8 +57,14 @@ class FleetRunner:
         from actors.worker_actor import start_worker_actor
         from serve_app.app import APP_NAME, build_app
 
+        secrets_via_env = not self.address
         if not self.address:  # a private local cluster: Ray 2.60's token auth only gets in the way
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            # keys reach the replicas through the environment the local Ray inherits, not through
+            # the Serve app config (which `serve status` and the dashboard show)
+            for env, key in ((API_KEY_ENV, self.router.api_key), (ADMIN_KEY_ENV, self.router.admin_key)):
+                if key:
+                    os.environ[env] = key
         if not ray.is_initialized():
             self.progress(f"starting Ray ({'joining ' + self.address if self.address else 'local'}) …")
             ray.init(address=self.address, namespace="kvroute", include_dashboard=False,
@@ -81,8 +87,10 @@ class FleetRunner:
         self.progress("starting the router (Ray Serve) …")
         serve.start(http_options={"host": self.host, "port": self.port})
         # this process owns the worker actors (they die with it); replicas need not create them
-        args = {"fleet": self.fleet.model_dump(mode="json"), "router": self.router.model_dump(mode="json"),
-                "manage_fleet": False}
+        router = self.router.model_dump(mode="json")
+        if secrets_via_env:
+            router.pop("api_key"), router.pop("admin_key")
+        args = {"fleet": self.fleet.model_dump(mode="json"), "router": router, "manage_fleet": False}
         serve.run(build_app(args), name=APP_NAME, route_prefix="/", blocking=False)
         return f"http://{'127.0.0.1' if self.host in ('0.0.0.0', '::') else self.host}:{self.port}"
 
