@@ -49,6 +49,12 @@ def _error(status: int, message: str, *, code: str, headers: dict[str, str] | No
     )
 
 
+def _bearer_ok(request: Request, key: str) -> bool:
+    """OpenAI-style `Authorization: Bearer <key>`, compared in constant time."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
 class _BodyTooLarge(Exception):
     pass
 
@@ -126,11 +132,7 @@ class KvRouter:
 
     def _auth(self, request: Request) -> JSONResponse | None:
         key = self.config.api_key
-        if not key:
-            return None
-        got = request.headers.get("authorization", "")
-        scheme, _, token = got.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        if key and not _bearer_ok(request, key):
             return _error(401, "missing or invalid API key (Authorization: Bearer <key>)", code="invalid_api_key")
         return None
 
@@ -173,8 +175,7 @@ class KvRouter:
         if not key:
             return _error(403, "fleet changes are disabled: set router admin_key (env KVROUTE_ADMIN_KEY)",
                           code="admin_disabled")
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        if not _bearer_ok(request, key):
             return _error(401, "missing or invalid admin key (Authorization: Bearer <admin key>)", code="invalid_admin_key")
         return None
 
