@@ -131,6 +131,11 @@ class KvRouter:
     # --- guards -------------------------------------------------------------------------------
 
     def _auth(self, request: Request) -> JSONResponse | None:
+        """Guards every route but /healthz: header size bound, then the API key."""
+        size = sum(len(k) + len(v) for k, v in request.headers.raw)
+        if size > self.config.max_header_bytes:
+            return _error(431, f"request headers total {size} bytes, above the limit of {self.config.max_header_bytes}",
+                          code="headers_too_large")
         key = self.config.api_key
         if key and not _bearer_ok(request, key):
             return _error(401, "missing or invalid API key (Authorization: Bearer <key>)", code="invalid_api_key")
@@ -159,6 +164,8 @@ class KvRouter:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             return _error(400, f"body is not valid JSON: {exc}", code="invalid_json")
+        except RecursionError:
+            return _error(400, "body JSON is nested too deeply", code="invalid_json")
         if not isinstance(body, dict):
             return _error(400, "body must be a JSON object", code="invalid_body")
         return raw, body
@@ -245,6 +252,8 @@ class KvRouter:
             d = self.core.decide(facts, request.headers.get(POLICY_HEADER))
         except InvalidRequestBody as exc:
             return _error(400, str(exc), code="invalid_body")
+        except RecursionError:
+            return _error(400, "body is nested too deeply", code="invalid_body")
         except UnknownPolicy as exc:
             return _error(400, str(exc), code="unknown_policy")
         except NoWorkerAvailable as exc:
@@ -299,6 +308,8 @@ class KvRouter:
             policy = self.core.policy(policy_name).name
         except InvalidRequestBody as exc:
             return _error(400, str(exc), code="invalid_body")
+        except RecursionError:
+            return _error(400, "body is nested too deeply", code="invalid_body")
         except UnknownPolicy as exc:
             return _error(400, str(exc), code="unknown_policy")
         stream = body.get("stream") is True

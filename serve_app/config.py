@@ -22,6 +22,7 @@ class RouterConfig(BaseModel):
     api_key: str | None = Field(None, description=f"Bearer key for every route but /healthz (env {API_KEY_ENV})")
     admin_key: str | None = Field(None, description=f"Bearer key for fleet changes (env {ADMIN_KEY_ENV})")
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="request bodies above are refused (413)")
+    max_header_bytes: int = Field(64 * 1024, gt=0, description="requests with larger headers are refused (431)")
     block_size: int = Field(16, ge=1, description="prefix-index block size in tokens (= engines' page_size for exact mode)")
     tokenizer: Literal["none", "sim"] = Field(
         "none", description="tokenize prompts like the engine: enables exact prefix mode from KV events"
