@@ -5,7 +5,13 @@ foreign classes, out-of-range values in every SGLang wire form, oversized frames
 messages) does not crash, runs nothing, counts every refusal under its reason exactly, accepts
 exactly the valid frames, and keeps the valid stream fresh and exact.
 
-Bounded: the fuzz run is capped at ~30 s; the module takes < 60 s on 2 cores.
+The reason a frame is refused under follows the decoder's order of checks, which the corpus
+categories are built around: size → first byte (pickle PROTO / msgpack array / neither) → every
+pickle opcode is one SGLang's KvMetrics pickles use (else `bad_pickle`; opcodes that name code →
+`forbidden_global`) → globals through the allow-list (`forbidden_global`) → the object is a
+KvMetrics (`not_kv_metrics`) → field names (`unknown_field`) and values (`invalid_value`).
+
+Bounded: the fuzz run stops waiting after 30 s (it needs ~1 s); the module takes ~30 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -126,11 +132,17 @@ def _invalid_value_frame(form: str, field: str, value: Any) -> bytes:
     return pickle.dumps(obj, protocol=proto)
 
 
-def _bad_values(field: str, rng: random.Random) -> list[Any]:
-    common: list[Any] = [math.nan, math.inf, -math.inf, "3", [], {}, b"\x00", True, [1], {"a": 1}]
+def _bad_values(field: str, form: str, rng: random.Random) -> list[Any]:
+    """Values SGLang never sends, each in an otherwise valid frame of `form` (all → invalid_value)."""
+    common: list[Any] = [math.nan, math.inf, -math.inf, "3", [], {}, True, [1], {"a": 1}]
+    if WIRE_FORMS[form][2] is None:  # bytes are a msgpack value; in a pickle, an opcode SGLang never uses
+        common.append(b"\x00")
     if field in FRACTION_FIELDS:
         return common + [-0.1, 1.0000001, 2.0, -rng.random() - 1e-9, 1.0 + rng.random() + 1e-9, None]
-    extra = [-1, -rng.randrange(1, 1 << 62), 1.5, 3.0, rng.random() * 1e6 + 0.5, "7"]
+    extra = [-1, -rng.randrange(1, 1 << 62), 1.5, 3.0, rng.random() * 1e6 + 0.5, "7",
+             2**63, 2**64 - 1]  # beyond int64: no real scheduler counts that high
+    if WIRE_FORMS[form][2] is not None:
+        extra += [2**64, 10**400]  # msgpack cannot even carry these
     if field != "data_parallel_rank":  # None there means "no DP" (rank 0) and is valid
         extra.append(None)
     return common + extra
@@ -169,9 +181,9 @@ def build_corpus(tmp: Path, seed: int = SEED) -> list[tuple[str, str, Any]]:
     add("noise", "unknown_format",
         [bytes([rng.choice(not_ours)]) + rng.randbytes(rng.randrange(0, 400)) for _ in range(2500)])
     add("empty", "empty", [b""], times=50)
-    # random pickle opcode streams: every opcode except STOP, those that name globals or
-    # persistent ids, and memo PUTs (see test_a_tiny_frame_cannot_make_the_actor_allocate_gigabytes)
-    excluded = set(b".ci\x93\x82\x83\x84PQpr")
+    # random pickle opcode streams: every opcode except STOP, those that name code or persistent
+    # ids, and memo PUTs (see test_a_tiny_frame_cannot_make_the_actor_allocate_hundreds_of_mib)
+    excluded = set(b".cio\x92\x93\x82\x83\x84PQpr")
     alphabet = bytes(b for b in range(256) if b not in excluded)
     add("pickle_noise", "bad_pickle",
         [b"\x80" + bytes([rng.choice((2, 3, 4, 5))]) + bytes(rng.choice(alphabet) for _ in range(rng.randrange(1, 200)))
@@ -219,16 +231,31 @@ def build_corpus(tmp: Path, seed: int = SEED) -> list[tuple[str, str, Any]]:
     import decimal
     import uuid
 
-    foreign_classes = [collections.OrderedDict(a=1), datetime.datetime(2024, 1, 1), decimal.Decimal("1.5"),
-                       uuid.UUID(int=7), ValueError("x"), _Foreign(), complex(1, 2), range(3)]
+    foreign_classes = [collections.OrderedDict(a=1), decimal.Decimal("1.5"), uuid.UUID(int=7), ValueError("x"),
+                       _Foreign(), complex(1, 2), range(3)]
     add("foreign_class", "forbidden_global",
         [pickle.dumps(o, protocol=p) for o in foreign_classes for p in (2, 3, 4, 5)] + _lookalike_frames(), times=4)
-    data = [dict(HOSTILE_BASE), list(HOSTILE_BASE.values()), "KvMetrics", None, 7, 1.5, (1, 2), b"KvMetrics",
-            {1, 2}, frozenset({3}), True, [dict(HOSTILE_BASE)]]
+    data = [dict(HOSTILE_BASE), list(HOSTILE_BASE.values()), "KvMetrics", None, 7, 1.5, (1, 2), True,
+            [dict(HOSTILE_BASE)], -(10**30)]
     add("foreign_data", "not_kv_metrics", [pickle.dumps(o, protocol=p) for o in data for p in (4, 5)], times=10)
+    # opcodes SGLang's KvMetrics pickles never use: refused before the unpickler runs, even when
+    # they would also name a forbidden class (datetime's state is BINBYTES)
+    unused = [pickle.dumps(o, protocol=p) for o in (b"KvMetrics", {1, 2}, frozenset({3}), bytearray(b"x"),
+                                                   datetime.datetime(2024, 1, 1)) for p in (4, 5)]
+    for form in ("0.5.8", "0.5.12"):
+        obj = make_kv_metrics(form, **HOSTILE_BASE)
+        object.__setattr__(obj, "request_active_slots", b"\x01")
+        unused.append(pickle.dumps(obj, protocol=4))
+    unused.append(b"\x80\x04N" + b"r" + struct.pack("<I", 7) + b".")  # LONG_BINPUT, small index
+    unused.append(b"\x80\x04N" + b"p7\n" + b".")  # PUT
+    add("unused_opcode", "bad_pickle", unused, times=10)
+    # values nested deep, or sharing sub-lists so that rendering them would explode
+    add("nested_value", "invalid_value",
+        [_splice("0.5.12", "request_active_slots", _nested_lists(20_000)),
+         _splice("0.5.8", "kv_active_blocks", _doubling_lists(20))], times=5)
     # otherwise valid KvMetrics of every form with one wrong value
     invalid = [_invalid_value_frame(form, field, v)
-               for form in WIRE_FORMS for field in KV_METRICS_FIELDS for v in _bad_values(field, rng)]
+               for form in WIRE_FORMS for field in KV_METRICS_FIELDS for v in _bad_values(field, form, rng)]
     add("invalid_value", "invalid_value", invalid, times=2)
     missing = []
     for form in ("0.4.9", "0.5.8", "0.5.10"):  # plain classes: a field never assigned
@@ -330,7 +357,8 @@ class _ValidEmitter(threading.Thread):
         super().__init__(daemon=True)
         forms = sorted(WIRE_FORMS)
         # pre-encoded: sim.sglang_shapes re-points shared module paths per form, not thread-safe
-        self.frames = [encode_kv_metrics(forms[i % len(forms)], **_valid_values(i)) for i in range(start_at, start_at + 20_000)]
+        self.frames = [encode_kv_metrics(forms[i % len(forms)], **_valid_values(i))
+                       for i in range(start_at, start_at + 20_000)]
         self.start_at = start_at
         self.endpoint, self.period_s = endpoint, period_s
         self.sent_at: list[float] = []
@@ -517,7 +545,7 @@ def test_a_frame_of_exactly_max_frame_bytes_is_read_and_one_byte_more_is_not(liv
     assert after["latest"][0]["kv_active_blocks"] == 5_000_000
 
 
-# --- frames that cost far more than their size (bugs: xfail until fixed) ---------------------------
+# --- frames that would cost far more than their size -----------------------------------------
 
 _SPLICE = "@@kvroute-splice@@"
 
@@ -571,12 +599,9 @@ def _send_and_count(live, frame: bytes, timeout: float = 60) -> tuple[dict, dict
         sock.close(linger=0)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: actors/wire.py:160 `_invalid` formats the refused input with `!r`: repr of a list nested "
-    "20,000 deep (a 40 KB frame) raises RecursionError, which escapes decode_kv_metrics as a non-WireError; "
-    "MetricsBook.ingest (actors/ingest.py:55) only catches WireError, so the frame is received but "
-    "neither refused nor accepted, and the receive loop logs a traceback per frame"))
 def test_a_deeply_nested_value_is_refused_as_invalid_value(live):
+    """A list nested 20,000 deep (40 KB): refused and counted like any bad value — rendering it
+    for the refusal message must not recurse (it once escaped as RecursionError, uncounted)."""
     frame = _splice("0.5.12", "request_active_slots", _nested_lists(20_000))
     assert len(frame) < MAX_FRAME
     before, after, _ = _send_and_count(live, frame)
@@ -584,12 +609,9 @@ def test_a_deeply_nested_value_is_refused_as_invalid_value(live):
     assert after["refused_by_reason"].get("invalid_value", 0) - before["refused_by_reason"].get("invalid_value", 0) == 1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: actors/wire.py:160 `_invalid` builds the full repr of the refused input before cutting it to "
-    "40 chars: a 635-byte frame whose value is 23 levels of [x, x] sharing one memo entry expands to 2**23 "
-    "elements (~3 s on the actor's event loop, during which stats/recv/push all wait); each 2 more levels "
-    "(+60 bytes) cost 4x, so a ~740-byte frame blocks for minutes and allocates GiBs"))
 def test_a_sub_kilobyte_frame_cannot_stall_the_actor(live):
+    """23 levels of [x, x] through the memo: 635 bytes that stand for 2**23 elements. Refusing it
+    must not walk them (a repr did: ~3 s of the actor's event loop, ×4 per 2 more levels)."""
     frame = _splice("0.5.12", "num_requests_waiting", _doubling_lists(23))
     assert len(frame) < 1024
     before, after, seconds = _send_and_count(live, frame)
@@ -604,12 +626,9 @@ def _peak_rss_mib(pid: int) -> float:
     raise AssertionError("no VmHWM")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: actors/wire.py:90 unpickles with the C pickle.Unpickler, which sizes its memo array from the "
-    "largest PUT index in the frame and zero-fills it: the 9-byte frame b'\\x80\\x04Nr\\x00\\x00\\x00\\x02.' "
-    "(LONG_BINPUT 2**25) makes the actor allocate and zero-fill 512 MiB (peak RSS +433 MiB measured) before refusing it; index 2**27 → 2 GiB, "
-    "2**30 → 16 GiB (OOM on a 24 GiB node). max_frame_bytes bounds nothing here"))
 def test_a_tiny_frame_cannot_make_the_actor_allocate_hundreds_of_mib(live):
+    """LONG_BINPUT with index 2**25: the C unpickler would size (and zero) its memo from it —
+    512 MiB for a 9-byte frame. The actor's peak RSS must not move."""
     pid, _ = _identity(live["actor"])
     frame = b"\x80\x04N" + b"r" + struct.pack("<I", 1 << 25) + b"."  # None, LONG_BINPUT 2**25, STOP
     peak_before = _peak_rss_mib(pid)
@@ -662,33 +681,57 @@ def router(live, serve_port, tmp_path_factory):
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello " * 40}], "max_tokens": 8}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: actors/models.py:23 `Count = Annotated[int, Field(ge=0, strict=True)]` has no upper bound, so a "
-    "503-byte frame (0.5.23 pickle) with num_requests_waiting=10**400 is accepted (SGLang's counts fit in int64); the router "
-    "then answers POST /route with 500 for EVERY request, under least_loaded and kv_aware alike, and GET /metrics "
-    "with 500 (measured; with kv_active_blocks=10**400 instead, kv_aware routes TO the poisoned worker, and past "
-    "4300 digits GET /workers answers 500 too); the poison lasts until that worker sends again (idle SGLang is silent)"))
 def test_a_count_too_large_for_a_float_is_refused_and_routing_keeps_working(live, router):
+    """num_requests_waiting = 10**400 in an otherwise valid 503-byte frame: refused as invalid_value
+    (counts are int64 at most), so routing, /workers and /metrics never see it (accepted, it once
+    made /route and /metrics answer 500 until the worker reported again)."""
     c = router["client"]
     poison = encode_kv_metrics("0.5.23", **{**_valid_values(20), "num_requests_waiting": 10**400})
     assert len(poison) < 600
-    router["emit_clean"].send(encode_kv_metrics("0.5.23", **_valid_values(11)))
+    busy = {**_valid_values(20), "request_active_slots": 64, "num_requests_waiting": 50, "kv_active_blocks": 9_000_000}
+    router["emit_clean"].send(encode_kv_metrics("0.5.23", **_valid_values(11)))  # lightly loaded
     try:
+        _send_and_count(live, encode_kv_metrics("0.5.23", **busy))
         before, after, _ = _send_and_count(live, poison)
         time.sleep(0.5)  # ≫ push interval + long-poll hop: the router has it if it was accepted
+        picks = {p: c.post("/route", json=CHAT, headers={"x-kvroute-policy": p}) for p in ("least_loaded", "kv_aware")}
         statuses = {
-            "route least_loaded": c.post("/route", json=CHAT).status_code,
-            "route kv_aware": (r := c.post("/route", json=CHAT, headers={"x-kvroute-policy": "kv_aware"})).status_code,
-            "kv_aware avoids the poisoned worker": r.status_code == 200 and r.json()["worker"] == "hostile-clean",
+            **{f"route {p}": (r.status_code, r.json().get("worker")) for p, r in picks.items()},
             "workers": c.get("/workers").status_code,
             "metrics": c.get("/metrics").status_code,
             "refused as invalid_value": after["refused_by_reason"].get("invalid_value", 0)
             - before["refused_by_reason"].get("invalid_value", 0) == 1,
         }
-        assert statuses == {"route least_loaded": 200, "route kv_aware": 200, "kv_aware avoids the poisoned worker": True,
+        assert statuses == {"route least_loaded": (200, "hostile-clean"), "route kv_aware": (200, "hostile-clean"),
                             "workers": 200, "metrics": 200, "refused as invalid_value": True}
+        assert _stats(live["actor"])["latest"][0]["num_requests_waiting"] == 50
     finally:  # leave the worker with a sane value for the tests after this one
         sock = _push(live["endpoint"])
         sock.send(encode_kv_metrics("0.5.23", **_valid_values(21)))
         sock.close(linger=100)
         wait_for(lambda: _stats(live["actor"])["latest"][0]["kv_active_blocks"] == 21, 5, what="reset value")
+
+
+# --- who can reach the PULL at all ---------------------------------------------------------------
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: actors/fleet.py:68 refuses a wildcard tcp metrics endpoint only when the host is spelled '*' or "
+    "'0.0.0.0'; 'tcp://0:PORT', 'tcp://0.0:PORT', 'tcp://0x0:PORT' and 'tcp://000.000.000.000:PORT' pass the "
+    "validator, and ZMQ binds each of them on 0.0.0.0 (measured with psutil: LISTEN 0.0.0.0:PORT), exposing "
+    "the pickle-decoding PULL on every interface"))
+@pytest.mark.parametrize("host", ["0", "0.0", "0x0", "000.000.000.000"])
+def test_every_spelling_of_the_unspecified_address_is_refused_as_a_metrics_endpoint(host):
+    from actors.fleet import FleetError, parse_fleet
+
+    with pytest.raises(FleetError, match="wildcard"):
+        parse_fleet({"workers": [{"name": "w", "url": "http://127.0.0.1:30001", "metrics_endpoint": f"tcp://{host}:45555"}]})
+
+
+def test_the_spelled_out_wildcards_are_refused_as_metrics_endpoints():
+    from actors.fleet import FleetError, parse_fleet
+
+    for host in ("*", "0.0.0.0"):
+        with pytest.raises(FleetError, match="wildcard"):
+            parse_fleet({"workers": [{"name": "w", "url": "http://127.0.0.1:30001",
+                                      "metrics_endpoint": f"tcp://{host}:45555"}]})
