@@ -1,0 +1,406 @@
+"""Side-by-side benchmark: one simulated fleet, the same traces through every router, one report.
+
+    python -m bench.run --suite quick      # ≤ 10 min on 2 cores
+    python -m bench.run --suite full
+
+In one run: the earlier micro-benchmarks (`bench/decision.py`, `bench.ingest`) as subprocesses
+(before the fleet starts: ingest brings its own Ray); then one fleet of N simulated SGLang workers
+(same engine arguments each) and every target (`bench.targets`); then, per repetition × workload ×
+rate, one seeded trace driven open-loop through every target in a shuffled order, the workers'
+prefix caches flushed before each target; then router overhead at fixed concurrencies with tiny
+outputs; then teardown. Writes bench/results/<suite>.md, <suite>.json and <suite>-*.png.
+
+Time: the simulated engines run at time_scale 1.0, so every time here is wall-clock and equals
+simulated time (no conversion). The workloads are sized (long prompts, a small KV pool, short
+outputs) so the fleet saturates at request rates two cores can drive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+
+from bench import report  # noqa: E402
+from bench.loadgen import Target, chat_body, run_closed, run_trace  # noqa: E402
+from bench.workloads import make_trace, trace_digest  # noqa: E402
+
+# ---------------------------------------------------------------------------------------- suites
+
+ENGINE = {
+    # same for every worker; a pool that holds ~2.5 shared-prefix groups' prefixes (of 8), so
+    # where a request lands decides whether its prefix is cached; prefill-heavy prompts so the
+    # fleet saturates at a few tens of requests/s
+    "time_scale": 1.0,
+    "page_size": 16,
+    "max_total_num_tokens": 12288,
+    "max_running_requests": 32,
+}
+
+SP = {"groups": 8, "system_tokens": 4096, "question_tokens": 128, "output_tokens": 12}
+MT = {"turns": 3, "context_tokens": 3072, "user_tokens": 128, "output_tokens": 12, "think_s": 0.2}
+NS = {"prompt_tokens": 2048, "output_tokens": 12}
+
+# the overhead phase of the quick suite: the floors, kvroute (two policies), each peer once
+OVERHEAD_TARGETS = ["direct", "serve-random", "kvroute-kv_aware", "kvroute-round_robin", "sglang-cache_aware",
+                    "ray-prefix"]
+
+SUITES: dict[str, dict[str, Any]] = {
+    "quick": {
+        "workers": 4,
+        "engine": ENGINE,
+        "reps": 2,
+        "duration_s": 2.0,  # arrival window of session starts per trial
+        "warmup_s": 0.4,  # requests sent before this are not measured
+        "drain_s": 30.0,
+        "workloads": {
+            "shared_prefix": {"rates": [12, 24], "params": SP},
+            "multi_turn": {"rates": [8, 16], "params": MT},
+            "no_sharing": {"rates": [12, 24], "params": NS},
+        },
+        "overhead": {"concurrency": [1, 16, 64], "requests": {"1": 20, "16": 64, "64": 128}, "reps": 2,
+                     "max_tokens": 1, "targets": OVERHEAD_TARGETS},
+        "ingest_args": ["--frames", "20000", "--rounds", "1", "--emitters", "8", "--seconds", "3"],
+        "decision_args": ["--iters", "300", "--workers", "10,100"],
+        "budget_s": 600,
+    },
+    "full": {
+        "workers": 4,
+        "engine": ENGINE,
+        "reps": 3,
+        "duration_s": 10.0,
+        "warmup_s": 2.0,
+        "drain_s": 60.0,
+        "workloads": {
+            "shared_prefix": {"rates": [6, 12, 18, 24, 30], "params": SP},
+            "multi_turn": {"rates": [4, 8, 12, 16, 20], "params": {**MT, "turns": 4}},
+            "no_sharing": {"rates": [4, 8, 12, 16, 20], "params": NS},
+        },
+        "overhead": {"concurrency": [1, 16, 64], "requests": {"1": 200, "16": 800, "64": 1600}, "reps": 3,
+                     "max_tokens": 1, "targets": None},
+        "ingest_args": [],
+        "decision_args": [],
+        "budget_s": 4 * 3600,
+    },
+}
+
+log = logging.getLogger("bench.run")
+
+
+# ---------------------------------------------------------------------------------------- info
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "platform": platform.platform(), "python": platform.python_version(), "cores": os.cpu_count(),
+    }
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                info["memory_gb"] = round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    try:
+        import ray
+
+        info["ray"] = ray.__version__
+    except Exception:
+        pass
+    try:
+        from importlib.metadata import version
+
+        info["sglang_router"] = version("sglang-router")
+        info["httpx"] = version("httpx")
+    except Exception:
+        pass
+    try:
+        info["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                            timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "actors", "serve_app", "sim"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        info["git_dirty_paths"] = dirty.splitlines()
+    except Exception:
+        pass
+    return info
+
+
+def loadavg() -> list[float]:
+    try:
+        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+    except OSError:
+        return []
+
+
+class CpuMeter:
+    """CPU used during an interval by this run (this process and every descendant: Ray, the
+    routers, the simulated workers) and by everything else on the machine (other jobs)."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._psutil = psutil
+        self._root = psutil.Process()
+        self._t0 = self._busy0 = self._mine0 = 0.0
+        self._seen: dict[int, float] = {}
+
+    @staticmethod
+    def _busy() -> float:
+        try:
+            f = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        except OSError:
+            return 0.0
+        return (sum(f[:8]) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+
+    def _mine(self) -> float:
+        total = 0.0
+        procs = [self._root]
+        try:
+            procs += self._root.children(recursive=True)
+        except self._psutil.Error:
+            pass
+        for p in procs:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except self._psutil.Error:
+                pass
+        return total
+
+    def start(self) -> None:
+        self._t0, self._busy0, self._mine0 = time.monotonic(), self._busy(), self._mine()
+
+    def stop(self) -> dict[str, float]:
+        dt = max(time.monotonic() - self._t0, 1e-9)
+        busy, mine = self._busy() - self._busy0, self._mine() - self._mine0
+        return {"busy_cores": busy / dt, "bench_cores": mine / dt, "foreign_cores": max(0.0, busy - mine) / dt}
+
+
+def run_sub(argv: list[str], timeout_s: float) -> dict[str, Any]:
+    """An earlier benchmark script as a subprocess; its Markdown output goes into the report."""
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+        out, rc = p.stdout, p.returncode
+        err = p.stderr[-2000:] if rc else ""
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        rc, err = None, f"timed out after {timeout_s:.0f} s"
+    return {"command": "python " + " ".join(argv), "returncode": rc, "stdout": out, "stderr": err,
+            "seconds": round(time.monotonic() - t0, 1)}
+
+
+# ---------------------------------------------------------------------------------------- runs
+
+
+def seed_for(base: int, rep: int, w_idx: int, r_idx: int) -> int:
+    return base * 10_000 + rep * 1000 + w_idx * 100 + r_idx
+
+
+async def run_trials(fleet: Any, targets: list[Target], suite: dict[str, Any], base_seed: int, progress) -> list[dict]:
+    import httpx
+
+    trials: list[dict] = []
+    cells = [(rep, wi, w, ri, rate)
+             for rep in range(suite["reps"])
+             for wi, (w, spec) in enumerate(suite["workloads"].items())
+             for ri, rate in enumerate(spec["rates"])]
+    total = len(cells) * len(targets)
+    t_start = time.monotonic()
+    done = 0
+    meter = CpuMeter()
+    async with httpx.AsyncClient(timeout=30, trust_env=False) as admin:
+        for rep, wi, workload, ri, rate in cells:
+            spec = suite["workloads"][workload]
+            seed = seed_for(base_seed, rep, wi, ri)
+            trace = make_trace(workload, seed, rate, suite["duration_s"], **spec["params"])
+            digest = trace_digest(trace)
+            order = list(targets)
+            random.Random(seed).shuffle(order)  # interleaved, in a different order per cell
+            for target in order:
+                fleet.check_alive()
+                stale = await fleet.stale_view(admin, target)
+                await fleet.flush(admin)
+                await fleet.poke(admin)
+                await asyncio.sleep(suite.get("settle_s", 0.1))  # the fresh reports reach the routers
+                before = await fleet.stats(admin)
+                meter.start()
+                results, wall = await run_trace(trace, target, drain_s=suite["drain_s"])
+                cpu = meter.stop()
+                after = await fleet.stats(admin)
+                summary = report.summarize_trial(results, suite["warmup_s"], before, after)
+                summary["cpu"] = cpu
+                summary["foreign_cores"] = cpu["foreign_cores"]
+                summary["bench_cores"] = cpu["bench_cores"]
+                kv_workers = await fleet.kvroute_workers(admin, target)
+                if kv_workers is not None:
+                    summary["kvroute_states_after"] = {w["name"]: w["state"] for w in kv_workers}
+                if stale is not None:
+                    summary["stale_view_before_poke"] = stale
+                trials.append({"rep": rep, "workload": workload, "rate": rate, "target": target.name,
+                               "seed": seed, "trace": digest, "wall_s": round(wall, 2), "summary": summary})
+                done += 1
+                el = time.monotonic() - t_start
+                progress(f"[{done}/{total} {el:5.0f}s eta {el / done * (total - done):4.0f}s] rep {rep} "
+                         f"{workload} {rate}/s {target.name:22s} ok {summary['ok']}/{summary['requests']} "
+                         f"ttft p50/p99 {report.fmt(summary['ttft_p50_ms'])}/{report.fmt(summary['ttft_p99_ms'])} ms "
+                         f"hit {report.fmt((summary['cache_hit'] or 0) * 100)}% "
+                         f"spread {[w['requests'] for w in summary['per_worker'].values()]} "
+                         f"cpu other {cpu['foreign_cores']:.1f}")
+    return trials
+
+
+async def run_overhead(targets: list[Target], cfg: dict[str, Any], base_seed: int, progress) -> list[dict]:
+    rows = []
+    meter = CpuMeter()
+    want = cfg.get("targets")
+    targets = [t for t in targets if want is None or t.name in want]
+    for rep in range(cfg["reps"]):
+        for conc in cfg["concurrency"]:
+            order = list(targets)
+            random.Random(base_seed * 7 + rep * 100 + conc).shuffle(order)
+            n = int(cfg["requests"][str(conc)] if str(conc) in cfg["requests"] else cfg["requests"][conc])
+            for target in order:
+                tag = f"o{rep}-{conc}-{target.name}"
+
+                def body(i: int, tag: str = tag) -> bytes:  # unique tiny prompt: nothing cached, tiny output
+                    return chat_body([{"role": "user", "content": f"ping {tag} {i}"}], cfg["max_tokens"])
+
+                meter.start()
+                results, span = await run_closed(target, conc, n, body)
+                cpu = meter.stop()
+                ok = [r for r in results if r.ok]
+                e2e = [r.e2e_s for r in ok]
+                ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+                row = {"rep": rep, "concurrency": conc, "target": target.name, "requests": len(results),
+                       "errors": len(results) - len(ok), "rps": len(ok) / span if span > 0 else 0.0,
+                       "e2e_p50_ms": report._ms(report.pct(e2e, 50)), "e2e_p99_ms": report._ms(report.pct(e2e, 99)),
+                       "e2e_mean_ms": report._ms(sum(e2e) / len(e2e)) if e2e else None,
+                       "ttft_p50_ms": report._ms(report.pct(ttft, 50)), "cpu": cpu}
+                rows.append(row)
+                progress(f"[overhead rep {rep} c={conc:3d}] {target.name:22s} {row['requests']:5d} req "
+                         f"e2e p50 {report.fmt(row['e2e_p50_ms'], digits=2)} ms  {row['rps']:.0f} req/s  "
+                         f"cpu other {cpu['foreign_cores']:.1f}")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
+    ap.add_argument("--suite", choices=sorted(SUITES), default="quick")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="results directory")
+    ap.add_argument("--name", default=None, help="results file stem (default: the suite name)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--targets", default=None, help="comma-separated subset (development only)")
+    ap.add_argument("--workloads", default=None, help="comma-separated subset (development only)")
+    ap.add_argument("--reps", type=int, default=None, help="override repetitions (development only)")
+    ap.add_argument("--duration", type=float, default=None, help="override the arrival window (development only)")
+    ap.add_argument("--rates", default=None, help="override rates for every workload, e.g. 8,16 (development only)")
+    ap.add_argument("--no-sub", action="store_true", help="skip the ingest/decision subprocess benchmarks")
+    ap.add_argument("--no-overhead", action="store_true", help="skip the overhead phase")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    ns = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if ns.verbose else logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+    suite = json.loads(json.dumps(SUITES[ns.suite]))
+    overrides = []
+    if ns.workloads:
+        keep = ns.workloads.split(",")
+        suite["workloads"] = {k: v for k, v in suite["workloads"].items() if k in keep}
+        overrides.append(f"workloads={ns.workloads}")
+    if ns.reps:
+        suite["reps"] = ns.reps
+        suite["overhead"]["reps"] = ns.reps
+        overrides.append(f"reps={ns.reps}")
+    if ns.duration:
+        suite["duration_s"] = ns.duration
+        suite["warmup_s"] = min(suite["warmup_s"], ns.duration / 4)
+        overrides.append(f"duration={ns.duration}")
+    if ns.rates:
+        rates = [float(x) for x in ns.rates.split(",")]
+        for spec in suite["workloads"].values():
+            spec["rates"] = rates
+        overrides.append(f"rates={ns.rates}")
+    command = "python -m bench.run " + " ".join(argv if argv is not None else sys.argv[1:])
+    out_dir = Path(ns.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = ns.name or ns.suite
+    t_run = time.monotonic()
+
+    def progress(msg: str) -> None:
+        print(f"{time.monotonic() - t_run:6.1f}s  {msg}", flush=True)
+
+    doc: dict[str, Any] = {"suite": ns.suite, "command": command, "overrides": overrides,
+                           "started_at": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine_info(),
+                           "loadavg_start": loadavg(), "config": suite, "seed": ns.seed}
+
+    # 1. the earlier benchmarks, before our Ray starts (bench.ingest runs its own)
+    subs: dict[str, Any] = {}
+    if not ns.no_sub:
+        progress("decision-cost benchmark (bench/decision.py) …")
+        subs["decision"] = run_sub(["bench/decision.py", *suite["decision_args"]], 300)
+        progress(f"  done in {subs['decision']['seconds']} s (rc {subs['decision']['returncode']})")
+        progress("ingest/freshness benchmark (bench.ingest) …")
+        subs["ingest"] = run_sub(["-m", "bench.ingest", *suite["ingest_args"]], 600)
+        progress(f"  done in {subs['ingest']['seconds']} s (rc {subs['ingest']['returncode']})")
+    doc["sub_benchmarks"] = subs
+
+    # 2. one fleet, every target
+    from bench.targets import BenchFleet
+
+    enabled = tuple(ns.targets.split(",")) if ns.targets else None
+    fleet = BenchFleet(suite["workers"], suite["engine"], verbose=ns.verbose, progress=progress,
+                       targets_enabled=enabled)
+    trials: list[dict] = []
+    overhead: list[dict] = []
+    try:
+        t0 = time.monotonic()
+        targets = fleet.start()
+        doc["startup_s"] = round(time.monotonic() - t0, 1)
+        doc["targets"] = [{"name": t.name, "label": t.label, "notes": t.notes} for t in targets]
+        progress(f"fleet and {len(targets)} targets up in {doc['startup_s']} s: {', '.join(t.name for t in targets)}")
+        trials = asyncio.run(run_trials(fleet, targets, suite, ns.seed, progress))
+        if not ns.no_overhead:
+            overhead = asyncio.run(run_overhead(targets, suite["overhead"], ns.seed, progress))
+    finally:
+        progress("tearing down …")
+        fleet.stop()
+    doc["loadavg_end"] = loadavg()
+    doc["trials"] = trials
+    doc["overhead"] = overhead
+    doc["elapsed_s"] = round(time.monotonic() - t_run, 1)
+
+    raw = out_dir / f"{stem}.json"
+    raw.write_text(json.dumps(doc, indent=1, default=str) + "\n")  # kept even if rendering fails
+    from bench.render import render
+
+    render(doc, out_dir, stem)
+    progress(f"wrote {out_dir / (stem + '.md')}, {stem}.json and plots in {doc['elapsed_s']} s total")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

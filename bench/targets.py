@@ -1,0 +1,444 @@
+"""Everything the benchmark drives, started once per run against ONE simulated fleet.
+
+`BenchFleet.start()` brings up, in this order:
+
+1. Ray (local, private) and kvroute's own `FleetRunner`: the aggregator, one managed worker
+   actor per simulated SGLang worker (all with the same engine arguments), and the kvroute app
+   (default policy kv_aware) at `/`.
+2. Three more kvroute apps built by the same `serve_app.app:build_app`, one per other policy
+   (`/kvroute-round_robin`, …), and `kvroute-kv_aware-exact` (kv_aware with `tokenizer: sim`: exact
+   prefix overlap from the engines' KV events, which every engine publishes). Separate apps, not
+   the `x-kvroute-policy` header against one: a router's prefix index records every request it
+   routes whatever the policy, so policies sharing one replica would start from each other's
+   (flushed, hence false) affinity.
+3. `serve-random`: a bare Ray Serve pass-through with the same FastAPI ingress shape and the same
+   `serve_app.proxy.UpstreamClient`, picking a worker uniformly at random (Serve's own floor).
+4. `ray-prefix`: Ray Serve LLM's `PrefixCacheAffinityRouter` choosing among N replicas of an
+   engine deployment, each replica bound to one simulated worker and proxying to it. This is Ray
+   Serve LLM's shape (OpenAI ingress → handle → engine replicas) with the in-process LLM engine
+   replaced by a pass-through to the worker; see `PREFIX_NOTES`.
+5. sglang-router (the real Rust gateway) once per policy: round_robin, cache_aware, power_of_two.
+
+`direct` needs nothing: the load generator picks the workers round-robin itself (the floor).
+`stop()` tears every piece down: routers, Serve apps, worker actors (their sims), aggregator, Ray.
+"""
+
+import asyncio
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from bench.loadgen import Target
+from serve_app.proxy import UpstreamClient, UpstreamError, forward_headers
+
+log = logging.getLogger("bench.targets")
+logging.getLogger("httpx").setLevel(logging.WARNING)
+# no `from __future__ import annotations` here: Serve's FastAPI ingress must see real annotations
+ROOT = Path(__file__).resolve().parents[1]
+
+# The class `ray.serve.llm.request_router.PrefixCacheAffinityRouter` re-exports (a bare subclass); the
+# public module needs the ray[llm] extra (pyarrow) only to import, the router itself does not.
+PREFIX_ROUTER_CLASS = (
+    "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router.PrefixCacheAffinityRouter"
+)
+KVROUTE_POLICIES = ("round_robin", "power_of_two", "least_loaded", "kv_aware")
+SGLANG_POLICIES = ("round_robin", "cache_aware", "power_of_two")
+PREFIX_NOTES = (
+    "Ray Serve LLM PrefixCacheAffinityRouter (ray 2.60, default kwargs: imbalanced_threshold=inf, "
+    "match_rate_threshold=0.1) routing among 4 replicas of a pass-through engine deployment, one "
+    "replica per simulated worker; an OpenAI ingress deployment calls it through a streaming "
+    "DeploymentHandle, as Ray Serve LLM's ingress calls LLMServer. Chunks are relayed as they arrive "
+    "(Ray Serve LLM's own stream batching is not used). Its prefix tree actor is called with "
+    "blocking ray.get inside the router, as shipped."
+)
+
+
+# ------------------------------------------------------------------ bare Serve pass-through
+
+passthrough_app = FastAPI()
+
+
+@serve.deployment(name="PassThrough", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
+@serve.ingress(passthrough_app)
+class PassThrough:
+    """Serve's floor: FastAPI ingress + kvroute's UpstreamClient, a uniformly random worker."""
+
+    def __init__(self, workers: dict[str, str]) -> None:
+        self.workers = list(workers.items())
+        self.upstream = UpstreamClient(2.0, 600.0)
+
+    @passthrough_app.post("/v1/chat/completions")
+    async def chat(self, request: Request) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return JSONResponse({"error": {"message": "invalid JSON"}}, status_code=400)
+        name, url = random.choice(self.workers)
+        try:
+            up = await self.upstream.open(name, "POST", url + "/v1/chat/completions", content=raw,
+                                          headers=forward_headers(request.headers))
+        except UpstreamError as exc:
+            return JSONResponse({"error": {"message": str(exc)}}, status_code=503)
+        headers = {**up.headers(), "x-bench-worker": name}
+        if not body.get("stream"):
+            try:
+                content = await up.response.aread()
+            finally:
+                await up.close()
+            return Response(content, status_code=up.status_code, headers=headers)
+
+        async def relay() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in up.chunks():
+                    yield chunk
+            finally:
+                await up.close()
+
+        return StreamingResponse(relay(), status_code=up.status_code, headers=headers,
+                                 media_type=up.response.headers.get("content-type", "text/event-stream"))
+
+
+# ------------------------------------------------------------------ Ray Serve LLM's prefix router
+
+
+class EngineRequest:
+    """What the ingress hands to an engine replica. PrefixCacheAffinityRouter reads `.messages`
+    (or `.prompt`) off the request's arguments, as it does off Ray Serve LLM's request models."""
+
+    def __init__(self, messages: Any, raw: bytes, headers: dict[str, str]) -> None:
+        self.messages = messages
+        self.raw = raw
+        self.headers = headers
+
+
+@serve.deployment(name="SimEngine", max_ongoing_requests=int(1e9), ray_actor_options={"num_cpus": 0})
+class SimEngine:
+    """One replica = one simulated worker (claimed at start, first free one wins)."""
+
+    def __init__(self, workers: dict[str, str], claim_dir: str) -> None:
+        for i, (name, url) in enumerate(workers.items()):
+            try:
+                os.close(os.open(os.path.join(claim_dir, f"claim-{i}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                continue
+            self.name, self.url = name, url
+            break
+        else:
+            raise RuntimeError("more engine replicas than workers")
+        self.upstream = UpstreamClient(2.0, 600.0)
+
+    async def chat(self, req: EngineRequest) -> AsyncIterator[Any]:
+        try:
+            up = await self.upstream.open(self.name, "POST", self.url + "/v1/chat/completions", content=req.raw,
+                                          headers=req.headers)
+        except UpstreamError as exc:
+            yield (self.name, 503, {})
+            yield json.dumps({"error": {"message": str(exc)}}).encode()
+            return
+        yield (self.name, up.status_code, up.headers())
+        try:
+            async for chunk in up.chunks():
+                yield chunk
+        finally:
+            await up.close()
+
+
+prefix_app = FastAPI()
+
+
+@serve.deployment(name="PrefixIngress", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
+@serve.ingress(prefix_app)
+class PrefixIngress:
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine.options(stream=True)
+
+    @prefix_app.post("/v1/chat/completions")
+    async def chat(self, request: Request) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return JSONResponse({"error": {"message": "invalid JSON"}}, status_code=400)
+        gen = self.engine.chat.remote(EngineRequest(body.get("messages"), raw, forward_headers(request.headers)))
+        name, status, headers = await gen.__anext__()
+        headers = {**headers, "x-bench-worker": name}
+
+        async def relay() -> AsyncIterator[bytes]:
+            async for chunk in gen:
+                yield chunk
+
+        return StreamingResponse(relay(), status_code=status, headers=headers,
+                                 media_type=headers.get("content-type", "text/event-stream"))
+
+
+# ------------------------------------------------------------------ the fleet and every router
+
+
+def free_port() -> int:
+    from sim.launch import free_port as fp
+
+    return fp()
+
+
+@dataclass
+class BenchFleet:
+    workers: int
+    engine_args: dict[str, Any]
+    verbose: bool = False
+    progress: Any = print
+    targets_enabled: tuple[str, ...] | None = None  # None = all
+    kv_events: bool = True
+    tmpdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="kvroute-bench-"))
+    serve_port: int = 0
+    worker_urls: dict[str, str] = field(default_factory=dict)
+    _runner: Any = None
+    _procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    _targets: list[Target] = field(default_factory=list)
+    _ray_started: bool = False
+
+    def fleet_dict(self) -> dict[str, Any]:
+        ws = []
+        for i in range(self.workers):
+            port = free_port()
+            ws.append({
+                "name": f"sim-{i}", "engine": "sim", "page_size": int(self.engine_args.get("page_size", 16)),
+                "url": f"http://127.0.0.1:{port}", "metrics_endpoint": f"ipc://{self.tmpdir}/sim-{i}.metrics",
+                "model": "kvroute-sim",
+                # every engine publishes SGLang KV events (kvroute's exact prefix mode reads them; the
+                # engine's timing is unchanged and the other targets ignore them)
+                **({"kv_events_endpoint": "auto"} if self.kv_events else {}),
+                "engine_args": {k: v for k, v in self.engine_args.items() if k != "page_size"},
+            })
+        return {"workers": ws}
+
+    # ---------------------------------------------------------------- start
+
+    def start(self) -> list[Target]:
+        import ray
+
+        from actors.fleet import parse_fleet
+        from serve_app.app import build_app
+        from serve_app.cli import FleetRunner
+        from serve_app.config import RouterConfig
+
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        # Ray workers must import `bench` (the Serve deployments below live here)
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        if not ray.is_initialized():
+            self.progress("starting Ray (local) …")
+            ray.init(namespace="kvroute", include_dashboard=False, logging_level=logging.WARNING,
+                     log_to_driver=self.verbose)
+            self._ray_started = True
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
+        fleet = parse_fleet(self.fleet_dict(), "bench")
+        self.serve_port = free_port()
+        self._runner = FleetRunner(fleet, RouterConfig(policy="kv_aware"), host="127.0.0.1", port=self.serve_port,
+                                   address=None, progress=self.progress, verbose=self.verbose)
+        base = self._runner.start()
+        self.worker_urls = {w.name: w.url for w in fleet.expanded()}
+        urls = tuple(self.worker_urls.values())
+        want = self.targets_enabled
+        on = (lambda name: True) if want is None else (lambda name: name in want)
+
+        targets: list[Target] = []
+        if on("direct"):
+            targets.append(Target("direct", urls, label="direct (client RR)",
+                                  notes="no router: the load generator round-robins over the workers"))
+        if on("serve-random"):
+            serve.run(PassThrough.bind(self.worker_urls), name="serve-random", route_prefix="/serve-random",
+                      blocking=False)
+            targets.append(Target("serve-random", (base + "/serve-random",), label="bare Serve (random)"))
+        for policy in KVROUTE_POLICIES:
+            name = f"kvroute-{policy}"
+            if not on(name):
+                continue
+            if policy == "kv_aware":
+                prefix = ""  # FleetRunner's own app
+            else:
+                prefix = f"/{name}"
+                # as FleetRunner does: this process owns the worker actors, the replicas must not start them
+                args = {"fleet": fleet.model_dump(mode="json"), "router": {"policy": policy}, "manage_fleet": False}
+                serve.run(build_app(args), name=name, route_prefix=prefix, blocking=False)
+            targets.append(Target(name, (base + prefix,), label=f"kvroute {policy}"))
+        name = "kvroute-kv_aware-exact"
+        if self.kv_events and on(name):
+            prefix = f"/{name}"
+            args = {"fleet": fleet.model_dump(mode="json"), "router": {"policy": "kv_aware", "tokenizer": "sim"},
+                    "manage_fleet": False}
+            serve.run(build_app(args), name=name, route_prefix=prefix, blocking=False)
+            targets.append(Target(name, (base + prefix,), label="kvroute kv_aware, exact prefix mode",
+                                  notes="router config `tokenizer: sim`: prompts tokenized like the engine, overlap "
+                                        "from the engines' KV events (what they hold now) instead of the router's "
+                                        "record of what it sent where"))
+        if on("ray-prefix"):
+            claim = os.path.join(self.tmpdir, "claims")
+            os.makedirs(claim, exist_ok=True)
+            engine = SimEngine.options(
+                num_replicas=len(urls),
+                request_router_config=RequestRouterConfig(
+                    request_router_class=PREFIX_ROUTER_CLASS),
+            ).bind(self.worker_urls, claim)
+            serve.run(PrefixIngress.bind(engine), name="ray-prefix", route_prefix="/ray-prefix", blocking=False)
+            targets.append(Target("ray-prefix", (base + "/ray-prefix",), label="Ray Serve PrefixCacheAffinity",
+                                  notes=PREFIX_NOTES))
+        for policy in SGLANG_POLICIES:
+            name = f"sglang-{policy}"
+            if not on(name):
+                continue
+            port = free_port()
+            self._start_sglang_router(name, policy, port, urls)
+            targets.append(Target(name, (f"http://127.0.0.1:{port}",), label=f"sglang-router {policy}"))
+        self._targets = targets
+        self._wait_ready(targets)
+        return targets
+
+    def _start_sglang_router(self, name: str, policy: str, port: int, urls: tuple[str, ...]) -> None:
+        logf = open(os.path.join(self.tmpdir, f"{name}.log"), "wb")
+        argv = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls, "--policy", policy,
+                "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+                "--prometheus-port", str(free_port()), "--log-level", "warn"]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        self._procs[name] = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                             start_new_session=True)
+        logf.close()
+
+    def _wait_ready(self, targets: list[Target], timeout_s: float = 120.0) -> None:
+        """Every target answers a tiny chat request (and kvroute apps see every worker live/idle)."""
+        self.progress("waiting for every target to answer …")
+        deadline = time.monotonic() + timeout_s
+        body = {"model": "default", "messages": [{"role": "user", "content": "ready"}], "max_tokens": 1}
+        with httpx.Client(timeout=10, trust_env=False) as c:
+            for t in targets:
+                while True:
+                    proc = self._procs.get(t.name)
+                    if proc is not None and proc.poll() is not None:
+                        raise RuntimeError(f"{t.name} exited with status {proc.returncode}; see "
+                                           f"{self.tmpdir}/{t.name}.log")
+                    try:
+                        ok = True
+                        if t.name.startswith("kvroute-"):
+                            ws = c.get(t.urls[0] + "/workers").json()["workers"]
+                            ok = len(ws) == self.workers and all(w["state"] in ("live", "idle") for w in ws)
+                        if ok:
+                            ok = all(c.post(t.endpoint(i), json=body).status_code == 200 for i in range(len(t.urls)))
+                        if ok:
+                            break
+                    except (httpx.HTTPError, ValueError, KeyError):
+                        pass
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"target {t.name} not ready after {timeout_s:.0f} s")
+                    time.sleep(0.25)
+
+    # ---------------------------------------------------------------- per-trial helpers
+
+    async def flush(self, client: httpx.AsyncClient, timeout_s: float = 30.0) -> None:
+        """POST /flush_cache on every worker (retried while requests still run)."""
+        async def one(url: str) -> None:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                r = await client.post(url + "/flush_cache")
+                if r.status_code == 200:
+                    return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{url}: /flush_cache still refused after {timeout_s:.0f} s: {r.text[:80]}")
+                await asyncio.sleep(0.1)
+
+        await asyncio.gather(*(one(u) for u in self.worker_urls.values()))
+
+    async def poke(self, client: httpx.AsyncClient) -> None:
+        """One tiny request straight to every worker (not through any router), after a flush: each
+        worker runs a prefill batch and so emits a fresh KvMetrics report showing it empty. Without
+        it, a metrics-driven router would start a trial believing the load the previous target left
+        in the workers' last reports (SGLang stops reporting when idle; see `stale_view`)."""
+        body = {"model": "default", "messages": [{"role": "user", "content": "poke"}], "max_tokens": 1}
+        rs = await asyncio.gather(*(client.post(u + "/v1/chat/completions", json=body)
+                                    for u in self.worker_urls.values()))
+        bad = [r.status_code for r in rs if r.status_code != 200]
+        if bad:
+            raise RuntimeError(f"poke failed: {bad}")
+
+    async def stale_view(self, client: httpx.AsyncClient, target: Target) -> list[dict[str, Any]] | None:
+        """For a kvroute target: the workers its router believes busy (reported running or waiting
+        requests, or KV in use) while the engine itself is idle — the view a trial would start from."""
+        ws = await self.kvroute_workers(client, target)
+        if ws is None:
+            return None
+        st = await self.stats(client)
+        out = []
+        for w in ws:
+            m = w.get("metrics") or {}
+            s = st.get(w["name"], {})
+            busy_view = m.get("request_active_slots", 0) or m.get("num_requests_waiting", 0) or m.get("kv_active_blocks", 0)
+            idle_engine = not s.get("num_running_reqs") and not s.get("num_waiting_reqs")
+            if w["state"] == "live" and busy_view and idle_engine:
+                out.append({"worker": w["name"], "state": w["state"], "metrics_age_s": w.get("metrics_age_s"),
+                            "reported_running": m.get("request_active_slots"),
+                            "reported_waiting": m.get("num_requests_waiting"),
+                            "reported_kv_active": m.get("kv_active_blocks"),
+                            "engine_running": s.get("num_running_reqs"), "engine_waiting": s.get("num_waiting_reqs")})
+        return out
+
+    async def stats(self, client: httpx.AsyncClient) -> dict[str, dict[str, Any]]:
+        async def one(name: str, url: str) -> tuple[str, dict[str, Any]]:
+            return name, (await client.get(url + "/sim/stats")).json()
+
+        return dict(await asyncio.gather(*(one(n, u) for n, u in self.worker_urls.items())))
+
+    async def kvroute_workers(self, client: httpx.AsyncClient, target: Target) -> list[dict[str, Any]] | None:
+        if not target.name.startswith("kvroute-"):
+            return None
+        try:
+            return (await client.get(target.urls[0] + "/workers")).json()["workers"]
+        except Exception:
+            return None
+
+    def check_alive(self) -> None:
+        for name, p in self._procs.items():
+            if p.poll() is not None:
+                raise RuntimeError(f"{name} died (status {p.returncode}); see {self.tmpdir}/{name}.log")
+
+    # ---------------------------------------------------------------- stop
+
+    def stop(self) -> None:
+        for name, p in self._procs.items():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for name, p in self._procs.items():
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self._procs.clear()
+        if self._runner is not None:
+            try:
+                self._runner.stop()  # worker actors (and their sims), serve.shutdown(), aggregator
+            except Exception as exc:
+                log.warning("fleet stop: %s", exc)
+            self._runner = None
+        try:
+            import ray
+
+            if self._ray_started and ray.is_initialized():
+                ray.shutdown()
+        except Exception as exc:
+            log.warning("ray shutdown: %s", exc)
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
