@@ -15,6 +15,24 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _ENDPOINT = re.compile(r"^(ipc://.+|tcp://[^:/]+:\d{1,5})$")
 
 
+def _is_wildcard(host: str) -> bool:
+    """Every spelling ZMQ would bind on all interfaces: '*', '0.0.0.0', '0', '0x0', '::', '[::]' …"""
+    import ipaddress
+    import socket
+
+    h = host.strip("[]")
+    if h in ("*", ""):
+        return True
+    try:
+        return ipaddress.ip_address(h).is_unspecified
+    except ValueError:
+        pass
+    try:  # inet_aton accepts the short and hex forms ('0', '0.0', '0x0', '000.000.000.000')
+        return socket.inet_aton(h) == b"\0\0\0\0"
+    except OSError:
+        return False
+
+
 class FleetError(ValueError):
     """A fleet file is unreadable or invalid; the message names the entry and field."""
 
@@ -65,7 +83,7 @@ class WorkerSpec(BaseModel):
             return v  # managed mode: a free loopback/node port chosen at launch
         if v is not None and not _ENDPOINT.match(v):
             raise ValueError("must be ipc://PATH or tcp://HOST:PORT")
-        if v is not None and v.startswith("tcp://") and v.split("//")[1].split(":")[0] in ("*", "0.0.0.0"):
+        if v is not None and v.startswith("tcp://") and _is_wildcard(v[len("tcp://"):].rsplit(":", 1)[0]):
             raise ValueError("bind a specific address, not a wildcard (metrics frames are trusted input)")
         return v
 

@@ -25,7 +25,6 @@ import time
 
 import zmq
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 VALUES = dict(

@@ -58,8 +58,9 @@ class FleetRunner:
         from serve_app.app import APP_NAME, build_app
 
         secrets_via_env = not self.address
-        if not self.address:  # a private local cluster: Ray 2.60's token auth only gets in the way
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        if not self.address:
+            # Ray's token auth stays on (2.60 default; ray.init makes a token in ~/.ray): a local
+            # Ray still listens on every interface, and an open GCS runs anyone's code.
             # keys reach the replicas through the environment the local Ray inherits, not through
             # the Serve app config (which `serve status` and the dashboard show)
             for env, key in ((API_KEY_ENV, self.router.api_key), (ADMIN_KEY_ENV, self.router.admin_key)):

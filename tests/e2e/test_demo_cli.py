@@ -28,7 +28,7 @@ def _listening(url: str) -> bool:
 @pytest.fixture(scope="module")
 def demo():
     port = free_port()
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "serve_app.cli", "demo", "--workers", "3", "--port", str(port), "--no-table",
          "--time-scale", "0.2"],

@@ -27,7 +27,7 @@ def served(tmp_path_factory):
         "    engine_args: {time_scale: 0.2}\n"
     )
     port = free_port()
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("KVROUTE_API_KEY", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "serve_app.cli", "serve", "--fleet", str(fleet), "--port", str(port),

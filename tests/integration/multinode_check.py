@@ -11,7 +11,6 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import httpx  # noqa: E402
 import ray  # noqa: E402

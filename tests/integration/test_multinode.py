@@ -14,7 +14,7 @@ from tests.conftest import free_port
 
 @pytest.fixture(scope="module")
 def result():
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env = dict(os.environ)
     p = subprocess.run([sys.executable, "-m", "tests.integration.multinode_check", str(free_port())],
                        capture_output=True, text=True, timeout=400, env=env)
     line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)

@@ -70,3 +70,10 @@ def test_unreadable_and_non_yaml_files_are_clear_errors(tmp_path):
 def test_replicas_expand_into_numbered_workers():
     fleet = parse_fleet({"workers": [{"name": "gpu", "engine": "sim", "replicas": 3}]})
     assert [w.name for w in fleet.expanded()] == ["gpu-0", "gpu-1", "gpu-2"]
+
+
+@pytest.mark.parametrize("host", ["*", "0.0.0.0", "0", "0.0", "0x0", "000.000.000.000", "[::]"])
+def test_every_spelling_of_a_wildcard_metrics_address_is_refused(host):
+    d = {"workers": [{"name": "w", "url": "http://127.0.0.1:1", "metrics_endpoint": f"tcp://{host}:5601"}]}
+    with pytest.raises(FleetError, match="not a wildcard"):
+        parse_fleet(d)
