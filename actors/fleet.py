@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from actors.models import Settings
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-_ENDPOINT = re.compile(r"^(ipc://.+|tcp://[^:/]+:\d{1,5})$")
+_ENDPOINT = re.compile(r"^(ipc://.+|tcp://([^:/\[\]]+|\[[0-9A-Fa-f:.]+\]):\d{1,5})$")
 
 
 def _is_wildcard(host: str) -> bool:
