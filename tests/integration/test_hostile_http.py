@@ -9,6 +9,7 @@ valid request right afterwards, and the API key never appears in what the router
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -453,3 +454,26 @@ def test_after_all_of_that_the_router_still_serves_streaming_and_non_streaming(e
     assert text.rstrip().endswith("data: [DONE]")
     h = c.get("/healthz").json()
     assert h["status"] == "ok" and h["workers"].get("down", 0) == 0
+
+
+# --- Ray's own ports (the boundary kvroute relies on) ---------------------------------------------
+
+
+def test_a_local_ray_listening_beyond_loopback_keeps_token_auth_on(ray_cluster):
+    """A local Ray (as `kvroute demo` / `kvroute serve` without --address start one, and as this
+    session's is) listens on every interface — GCS and raylet measured on '::' — and an open GCS
+    runs anyone's code: so either its ports are loopback-only, or Ray's token auth is on."""
+    import ipaddress
+
+    import psutil
+    import ray
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+    node = ray._private.worker.global_worker.node
+    pids = [info.process.pid for kind in ("gcs_server", "raylet") for info in node.all_processes.get(kind, [])]
+    assert pids
+    listening = {(psutil.Process(pid).name(), c.laddr.ip, c.laddr.port)
+                 for pid in pids for c in psutil.Process(pid).net_connections("inet") if c.status == "LISTEN"}
+    assert listening
+    exposed = {x for x in listening if not ipaddress.ip_address(x[1]).is_loopback}
+    assert not exposed or (is_token_auth_enabled() and os.environ.get("RAY_AUTH_MODE") != "disabled"), exposed
