@@ -9,6 +9,10 @@ the post-warm-up trend; errors by kind. Target: growth ≤ 5 % after warm-up, 0 
     python -m bench.soak [--minutes 10] [--warmup-minutes 2] [--workers 3] [--concurrency 6]
                          [--sample-s 10] [--out bench/results/soak.md]
 
+Warm-up: at the default load the simulated workers' KV pools and prefix caches take ~6 minutes to
+fill (their RSS climbs until then), so for a verdict on them use e.g. `--minutes 20
+--warmup-minutes 6`; bench/results/soak.md has both kinds of run.
+
 Loopback only; the load is closed-loop (each client waits for its answer), bounded by --minutes.
 Needs psutil (`pip install psutil`). Exit status 0 when the targets are met, 1 when not.
 """
@@ -31,7 +35,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 MIB = 1024 * 1024
