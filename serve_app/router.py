@@ -80,7 +80,9 @@ class RouterCore:
             if rec.metrics_at is not None:
                 self.ledger.on_report(name, rec.metrics_at)
             actor_name = rec.extra.get("kv_events_actor")
-            if actor_name and self.kv_follower is not None:
+            # exact mode only when prompts are tokenized like the engine: text-hashed blocks
+            # never match the engine's token blocks, so following would erase all affinity
+            if actor_name and self.kv_follower is not None and self.config.tokenizer != "none":
                 self.kv_follower.ensure(name, actor_name)
             base = base_view(rec)
             self._base[name] = base
