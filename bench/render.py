@@ -167,9 +167,16 @@ def _markdown(doc, agg, rates, targets, oh, goals, plots) -> str:
              + ", ".join(f"`{k}={v}`" for k, v in eng.items())
              + ". Timing model: sim defaults (Llama-3.1-8B on H100: prefill 5 ms + 60 µs/uncached token; decode "
                "8 ms + 0.15 ms/request + 40 ns/KV token per step).")
-    L.append("- `time_scale` 1.0: every time in this report is wall-clock milliseconds and equals simulated time. "
-             "The KV pool (12,288 tokens per worker) holds about 7 shared-prefix system prompts, "
-             "or ~2 per worker when groups stay put, so where a request lands decides whether its prefix is cached.")
+    pool = eng.get("max_total_num_tokens")
+    sp = cfg["workloads"].get("shared_prefix", {}).get("params", {})
+    fit = ""
+    if pool and sp.get("system_tokens"):
+        per = pool // sp["system_tokens"]
+        fit = (f" The KV pool ({pool:,} tokens per worker) holds {per} shared-prefix system prompts "
+               f"({per * cfg['workers']} in the fleet for {sp.get('groups')} groups), so where a request lands decides "
+               f"whether its prefix is cached, and every group kept on two workers evicts another.")
+    L.append(f"- `time_scale` {eng.get('time_scale', 1.0)}: every time in this report is wall-clock milliseconds and "
+             f"equals simulated time." + fit)
     L.append(f"- Trials: {cfg['reps']} repetitions × each workload × each rate; within a (repetition, workload, rate) "
              f"cell one seeded trace is driven through every target in a shuffled order; the workers' prefix caches "
              f"are flushed (`POST /flush_cache`) before every target. Arrival window {cfg['duration_s']} s; requests "
@@ -181,6 +188,17 @@ def _markdown(doc, agg, rates, targets, oh, goals, plots) -> str:
              "ITL = gaps between text chunks (pooled); throughput = completed measured requests / (last end − first "
              "send); cache hit = Σ cached_tokens / Σ prompt_tokens of measured responses (engine-reported); load "
              "spread = requests per worker from `/sim/stats` deltas (whole trial).")
+    if cfg.get("kv_events"):
+        L.append("- The engines publish SGLang KV events and `kvroute-kv_aware-exact` runs kvroute's exact prefix mode. "
+                 "**Caveat:** in this configuration kvroute's default-mode routers (all other kvroute targets) lose "
+                 "their prefix affinity: for every worker whose KV events they follow, the router replaces its own "
+                 "prefix-index overlap with the exact index's, computed from text-hashed blocks that never match "
+                 "the engines' token-block hashes, so the overlap is always 0.")
+    else:
+        L.append("- The engines do not publish KV events, so kvroute runs in its default (approximate) prefix mode: "
+                 "the router's record of which prompts it sent where. (`--kv-events` adds kvroute's exact mode as a "
+                 "target, but in that configuration the default-mode routers lose their affinity — a kvroute bug, "
+                 "see the JSON/notes.)")
     L.append("\nWorkloads:\n")
     for w, spec in cfg["workloads"].items():
         L.append(f"- **{w}**: rates {spec['rates']} req/s; " + ", ".join(f"{k}={v}" for k, v in spec["params"].items()))
@@ -307,6 +325,8 @@ def _markdown(doc, agg, rates, targets, oh, goals, plots) -> str:
                 ok_d = d is not None and d["e2e_p50_ms"] is not None
                 added = a["e2e_p50_ms"] - d["e2e_p50_ms"] if ok_d and a["e2e_p50_ms"] is not None else None
                 add_s = s["e2e_p50_ms"] - d["e2e_p50_ms"] if ok_d and s and s["e2e_p50_ms"] is not None else None
+                if t == DIRECT:
+                    added = None
                 rows.append([t, fmt(a["e2e_p50_ms"], a["e2e_p50_ms_sd"], digits=2), fmt(a["e2e_p99_ms"], digits=2),
                              fmt(added, digits=2), fmt(ratio(added, add_s) if added is not None and add_s and add_s > 0 else None, digits=2),
                              fmt(a["rps"]), f"{a['errors']}/{a['requests']}"])

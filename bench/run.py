@@ -44,9 +44,10 @@ from bench.workloads import make_trace, trace_digest  # noqa: E402
 # ---------------------------------------------------------------------------------------- suites
 
 ENGINE = {
-    # same for every worker; a pool that holds ~2.5 shared-prefix groups' prefixes (of 8), so
-    # where a request lands decides whether its prefix is cached; prefill-heavy prompts so the
-    # fleet saturates at a few tens of requests/s
+    # same for every worker; a pool that holds three 4k-token shared-prefix system prompts (12 in
+    # the fleet for 8 groups), so where a request lands decides whether its prefix is cached;
+    # prefill-heavy prompts and short outputs so the fleet saturates at request rates (and SSE
+    # chunk rates through the Python routers) that two shared cores can drive
     "time_scale": 1.0,
     "page_size": 16,
     "max_total_num_tokens": 12288,
@@ -318,6 +319,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=None, help="override repetitions (development only)")
     ap.add_argument("--duration", type=float, default=None, help="override the arrival window (development only)")
     ap.add_argument("--rates", default=None, help="override rates for every workload, e.g. 8,16 (development only)")
+    ap.add_argument("--kv-events", action="store_true",
+                    help="engines publish KV events and kvroute's exact prefix mode runs as one more target. Off by "
+                         "default: with KV events in the fleet, kvroute routers in the default (approximate) mode "
+                         "lose their prefix affinity (their overlap is replaced by the exact index's, which never "
+                         "matches text-hashed blocks), so kv_aware would not be measured as designed")
     ap.add_argument("--no-sub", action="store_true", help="skip the ingest/decision subprocess benchmarks")
     ap.add_argument("--no-overhead", action="store_true", help="skip the overhead phase")
     ap.add_argument("-v", "--verbose", action="store_true")
@@ -372,8 +378,11 @@ def main(argv: list[str] | None = None) -> int:
     from bench.targets import BenchFleet
 
     enabled = tuple(ns.targets.split(",")) if ns.targets else None
+    suite["kv_events"] = bool(ns.kv_events)
+    if ns.kv_events:
+        overrides.append("kv-events")
     fleet = BenchFleet(suite["workers"], suite["engine"], verbose=ns.verbose, progress=progress,
-                       targets_enabled=enabled)
+                       targets_enabled=enabled, kv_events=suite["kv_events"])
     trials: list[dict] = []
     overhead: list[dict] = []
     try:

@@ -204,7 +204,7 @@ class BenchFleet:
     verbose: bool = False
     progress: Any = print
     targets_enabled: tuple[str, ...] | None = None  # None = all
-    kv_events: bool = True
+    kv_events: bool = False  # engines publish KV events + the kv_aware exact-mode target (see run.py)
     tmpdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="kvroute-bench-"))
     serve_port: int = 0
     worker_urls: dict[str, str] = field(default_factory=dict)
