@@ -190,15 +190,14 @@ def _markdown(doc, agg, rates, targets, oh, goals, plots) -> str:
              "spread = requests per worker from `/sim/stats` deltas (whole trial).")
     if cfg.get("kv_events"):
         L.append("- The engines publish SGLang KV events and `kvroute-kv_aware-exact` runs kvroute's exact prefix mode. "
-                 "**Caveat:** in this configuration kvroute's default-mode routers (all other kvroute targets) lose "
-                 "their prefix affinity: for every worker whose KV events they follow, the router replaces its own "
-                 "prefix-index overlap with the exact index's, computed from text-hashed blocks that never match "
-                 "the engines' token-block hashes, so the overlap is always 0.")
+                 "**Caveat for code before serve_app commit d4a918b:** there, kvroute's default-mode routers (all "
+                 "other kvroute targets) also followed the KV events and replaced their own prefix-index overlap "
+                 "with the exact index's, computed from text-hashed blocks that never match the engines' "
+                 "token-block hashes, so their overlap was always 0.")
     else:
         L.append("- The engines do not publish KV events, so kvroute runs in its default (approximate) prefix mode: "
-                 "the router's record of which prompts it sent where. (`--kv-events` adds kvroute's exact mode as a "
-                 "target, but in that configuration the default-mode routers lose their affinity — a kvroute bug, "
-                 "see the JSON/notes.)")
+                 "the router's record of which prompts it sent where. (`--kv-events` adds kvroute's exact mode as "
+                 "a target; see `quick-kv-events.md`.)")
     L.append("\nWorkloads:\n")
     for w, spec in cfg["workloads"].items():
         L.append(f"- **{w}**: rates {spec['rates']} req/s; " + ", ".join(f"{k}={v}" for k, v in spec["params"].items()))

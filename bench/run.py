@@ -320,10 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=None, help="override the arrival window (development only)")
     ap.add_argument("--rates", default=None, help="override rates for every workload, e.g. 8,16 (development only)")
     ap.add_argument("--kv-events", action="store_true",
-                    help="engines publish KV events and kvroute's exact prefix mode runs as one more target. Off by "
-                         "default: with KV events in the fleet, kvroute routers in the default (approximate) mode "
-                         "lose their prefix affinity (their overlap is replaced by the exact index's, which never "
-                         "matches text-hashed blocks), so kv_aware would not be measured as designed")
+                    help="engines publish KV events and kvroute's exact prefix mode (router tokenizer: sim) runs as "
+                         "one more target. Before serve_app fix d4a918b, KV events in the fleet switched the "
+                         "default-mode routers' affinity off (see bench/results/quick-kv-events.md)")
     ap.add_argument("--no-sub", action="store_true", help="skip the ingest/decision subprocess benchmarks")
     ap.add_argument("--no-overhead", action="store_true", help="skip the overhead phase")
     ap.add_argument("-v", "--verbose", action="store_true")
