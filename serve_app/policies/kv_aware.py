@@ -45,7 +45,7 @@ _EPS = 1e-9
 class KvAwareConfig:
     """Every knob of kv_aware; costs are in prompt blocks of the router's block size."""
 
-    prefill_weight: float = 1.0
+    prefill_weight: float = 4.0
     """Weight of blocks still to prefill against KV blocks held (Dynamo's prefill_load_scale)."""
     queued_request_blocks: float = 128.0
     """Cost of one request queued ahead: each reported waiting request and each one beyond the
@@ -56,7 +56,7 @@ class KvAwareConfig:
     """Fraction of KV capacity above which every further block costs `kv_overflow_weight` more."""
     kv_overflow_weight: float = 4.0
     """Extra cost per block over the watermark (the engine would queue, evict or retract)."""
-    tolerance: float = 0.10
+    tolerance: float = 0.5
     """Relative slack: workers within c*·(1+tolerance) + tolerance_blocks count as near-minimum."""
     tolerance_blocks: float = 8.0
     """Absolute slack of the near-minimum set, in blocks."""

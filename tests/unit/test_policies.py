@@ -186,7 +186,7 @@ def test_shared_system_prompt_spreads_once_its_worker_saturates():
 
 
 def test_affine_worker_that_reports_saturation_is_passed_over():
-    ws = [worker("hot", running=16, waiting=6), worker("cold1"), worker("cold2")]
+    ws = [worker("hot", running=16, waiting=20), worker("cold1"), worker("cold2")]
     d = KvAware().choose(req(4096, {"hot": 250}), ws, random.Random(0))
     assert d.worker in {"cold1", "cold2"}
 
