@@ -658,9 +658,12 @@ class SimServer:
                 "usage": None,
             })
 
-        yield chunk({"role": "assistant", "content": ""})
         finish = "length"
+        first = True
         async for out in self._tokens(stream):
+            if first:  # like SGLang: the role chunk goes out with the first output, after prefill
+                yield chunk({"role": "assistant", "content": ""})
+                first = False
             if out.token_id is not None:
                 yield chunk({"content": tokenizer.decode_token(out.token_id)})
             if out.finished:
