@@ -17,6 +17,7 @@ import argparse
 import multiprocessing as mp
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -76,13 +77,16 @@ def _receive(endpoint: str, n: int, form: str, decode: bool) -> float:
 def bench_decode(frames: int, rounds: int) -> list[dict]:
     rows = []
     tmp = tempfile.mkdtemp(prefix="kvroute-bench-")
-    for form in ("0.5.23", "0.5.8", "0.5.23-msgpack"):
-        bare, dec = [], []
-        for r in range(rounds):
-            bare.append(_receive(f"ipc://{tmp}/b{r}", frames, form, decode=False))
-            dec.append(_receive(f"ipc://{tmp}/d{r}", frames, form, decode=True))
-        b, d = statistics.median(bare), statistics.median(dec)
-        rows.append({"form": form, "bare": b, "decode": d, "ratio": d / b})
+    try:
+        for form in ("0.5.23", "0.5.8", "0.5.23-msgpack"):
+            bare, dec = [], []
+            for r in range(rounds):
+                bare.append(_receive(f"ipc://{tmp}/b{r}", frames, form, decode=False))
+                dec.append(_receive(f"ipc://{tmp}/d{r}", frames, form, decode=True))
+            b, d = statistics.median(bare), statistics.median(dec)
+            rows.append({"form": form, "bare": b, "decode": d, "ratio": d / b})
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return rows
 
 
@@ -162,6 +166,7 @@ def bench_freshness(n_emitters: int, seconds: float, period_s: float) -> dict:
         ray.kill(a, no_restart=True)
     kill_aggregator()
     health.close()
+    shutil.rmtree(tmp, ignore_errors=True)
     q = statistics.quantiles(lat, n=100) if len(lat) >= 2 else [float("nan")] * 99
     return {"emitters": n_emitters, "samples": len(lat), "p50": q[49], "p99": q[98], "max": max(lat) if lat else float("nan")}
 

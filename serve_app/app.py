@@ -241,21 +241,12 @@ class KvRouter:
 
     @fastapi_app.post("/route")
     async def route(self, request: Request) -> JSONResponse:
-        if (denied := self._auth(request)) is not None:
-            return denied
-        parsed = await self._json_body(request)
+        parsed = await self._routing_input(request)
         if isinstance(parsed, JSONResponse):
             return parsed
-        _, body = parsed
+        _, _, facts, policy = parsed
         try:
-            facts = self.core.facts(body)
-            d = self.core.decide(facts, request.headers.get(POLICY_HEADER))
-        except InvalidRequestBody as exc:
-            return _error(400, str(exc), code="invalid_body")
-        except RecursionError:
-            return _error(400, "body is nested too deeply", code="invalid_body")
-        except UnknownPolicy as exc:
-            return _error(400, str(exc), code="unknown_policy")
+            d = self.core.decide(facts, policy)
         except NoWorkerAvailable as exc:
             return _error(503, str(exc), code="no_worker", headers={"retry-after": "1"})
         return JSONResponse({"worker": d.worker, "url": d.url, "policy": d.policy, "reason": d.reason})
@@ -295,23 +286,30 @@ class KvRouter:
 
     # --- proxy --------------------------------------------------------------------------------
 
-    async def _proxy(self, request: Request, path: str) -> Response:
+    async def _routing_input(self, request: Request) -> tuple[bytes, dict[str, Any], Any, str] | JSONResponse:
+        """Guards, body, routing facts and policy name of a request to route, or its 4xx."""
         if (denied := self._auth(request)) is not None:
             return denied
         parsed = await self._json_body(request)
         if isinstance(parsed, JSONResponse):
             return parsed
         raw, body = parsed
-        policy_name = request.headers.get(POLICY_HEADER)
         try:
             facts = self.core.facts(body)
-            policy = self.core.policy(policy_name).name
+            policy = self.core.policy(request.headers.get(POLICY_HEADER)).name
         except InvalidRequestBody as exc:
             return _error(400, str(exc), code="invalid_body")
         except RecursionError:
             return _error(400, "body is nested too deeply", code="invalid_body")
         except UnknownPolicy as exc:
             return _error(400, str(exc), code="unknown_policy")
+        return raw, body, facts, policy
+
+    async def _proxy(self, request: Request, path: str) -> Response:
+        parsed = await self._routing_input(request)
+        if isinstance(parsed, JSONResponse):
+            return parsed
+        raw, body, facts, policy = parsed
         stream = body.get("stream") is True
         headers = forward_headers(request.headers)
         tried: set[str] = set()
@@ -321,7 +319,7 @@ class KvRouter:
         for attempt in range(self.config.max_attempts):
             t_decide = time.perf_counter()
             try:
-                d = self.core.decide(facts, policy_name, exclude=tried | self.breakers.blocked())
+                d = self.core.decide(facts, policy, exclude=tried | self.breakers.blocked())
             except NoWorkerAvailable as exc:
                 if not failures:
                     m.requests.labels(policy, "", "no_worker").inc()
