@@ -15,13 +15,6 @@ from actors.wire import WireError, decode_kv_metrics
 
 
 @dataclass(slots=True)
-class _Latest:
-    metrics: KvMetrics
-    received_at: float
-    seq: int
-
-
-@dataclass(slots=True)
 class IngestStats:
     frames_received: int = 0
     frames_accepted: int = 0
@@ -43,14 +36,17 @@ class MetricsBook:
         self.max_frame_bytes = max_frame_bytes
         self.clock = clock
         self.stats = IngestStats()
-        self._latest: dict[int, _Latest] = {}
+        self._latest: dict[int, tuple[KvMetrics, float, int]] = {}  # rank → (metrics, received at, seq)
         self._seq = 0
         self.dirty = False
         self.last_error: str | None = None
 
     def ingest(self, frame: bytes) -> KvMetrics | None:
-        """Decode one frame; keep it if valid. Returns the metrics, or None if refused."""
-        self.stats.frames_received += 1
+        """Decode one frame; keep it if valid. Returns the metrics, or None if refused.
+
+        The receive loop calls this once per frame, so it does nothing a frame does not need."""
+        stats = self.stats
+        stats.frames_received += 1
         try:
             m = decode_kv_metrics(frame, max_bytes=self.max_frame_bytes)
         except WireError as exc:
@@ -59,13 +55,16 @@ class MetricsBook:
         except Exception as exc:  # defence in depth: a decoder bug must cost one frame, not the loop
             self.refuse("decoder_error", f"{type(exc).__name__}")
             return None
-        self.accept(m)
+        stats.frames_accepted += 1
+        self._seq = seq = self._seq + 1
+        self._latest[m.data_parallel_rank] = (m, self.clock(), seq)
+        self.dirty = True
         return m
 
     def accept(self, m: KvMetrics) -> None:
         self.stats.frames_accepted += 1
         self._seq += 1
-        self._latest[m.data_parallel_rank] = _Latest(m, self.clock(), self._seq)
+        self._latest[m.data_parallel_rank] = (m, self.clock(), self._seq)
         self.dirty = True
 
     def refuse(self, reason: str, detail: str) -> None:
@@ -77,14 +76,14 @@ class MetricsBook:
         `page_size`, with their age now and a change sequence number."""
         now = self.clock()
         out: dict[int, dict[str, Any]] = {}
-        for rank, l in self._latest.items():
-            d = l.metrics.model_dump()
+        for rank, (m, received_at, seq) in self._latest.items():
+            d = m.model_dump()
             d["kv_active_blocks"] = tokens_to_blocks(d["kv_active_blocks"], page_size)
             d["kv_total_blocks"] = tokens_to_blocks(d["kv_total_blocks"], page_size)
-            d["age_s"] = now - l.received_at
-            d["seq"] = l.seq
+            d["age_s"] = now - received_at
+            d["seq"] = seq
             out[rank] = d
         return out
 
     def latest(self) -> dict[int, KvMetrics]:
-        return {rank: l.metrics for rank, l in self._latest.items()}
+        return {rank: entry[0] for rank, entry in self._latest.items()}
