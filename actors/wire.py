@@ -162,18 +162,20 @@ def _fields_from_msgpack(frame: bytes) -> dict[str, Any]:
 
 # --- fast path: the exact pickles SGLang's schedulers write, matched without unpickling -------------
 #
-# `pickle.dumps` of SGLang's KvMetrics (plain class, dataclass, or msgspec Struct; protocol 2–5) is
-# a fixed skeleton — PROTO, [FRAME], the class global(s), MARK, then eight `name, value` pairs in
-# field order, SETITEMS, BUILD | REDUCE, STOP — with eight holes for the value tokens. We generate
-# those skeletons at import from the module paths and field names (with pickle's own opcode
-# constants), pick one by the first bytes after the header (a dict lookup), match the holes with a
-# compiled regex that skips the fixed spans in O(1) and captures them, and compare the captured
-# spans with the skeleton (memcmp). A frame that matches is, byte for byte, one the safe path would
-# accept with the same values, so it needs neither the opcode walk nor the unpickler; the regex only
-# admits in-range values (ints 0 … 2**63-1, floats in [0, 1] or -0.0, rank None), so the values need
-# no further check. Anything else — another memo layout, field order, protocol, a bool, a negative
-# or huge int, NaN, an extra opcode — falls through to the safe path, which accepts or refuses it
-# exactly as before (same reason, same message).
+# `pickle.dumps` of SGLang's KvMetrics (plain class, dataclass, or msgspec Struct; protocol 4 or 5,
+# what `send_pyobj`/`sock_send` use) is a fixed skeleton — PROTO, FRAME, the class global(s), MARK,
+# then eight `name, value` pairs in field order, SETITEMS, BUILD | REDUCE, STOP — with eight holes
+# for the value tokens. We generate those skeletons at import from the module paths and field names
+# (with pickle's own opcode constants), pick one by the first bytes after the header (a dict lookup),
+# match the holes with a compiled regex that skips the fixed spans in O(1) and captures them, and
+# compare the captured spans with the skeleton (memcmp). A frame that matches is, byte for byte, one
+# the safe path accepts with the same values, so it needs neither the opcode walk nor the
+# unpickler; the regex only admits in-range values (ints 0 … 2**63-1, floats in [0, 1] or -0.0,
+# rank None), so the values need no further check. Anything else — another memo layout, field
+# order, a bool, a negative or huge int, NaN, an extra opcode, trailing bytes — falls through to the
+# safe path, which accepts or refuses it exactly as before (same reason, same message). Protocol 2/3
+# pickles name the class with GLOBAL, which the safe path's opcode walk refuses: they get no fast
+# path, so they stay refused.
 
 
 class _Skeleton(NamedTuple):
@@ -183,48 +185,34 @@ class _Skeleton(NamedTuple):
     rx: re.Pattern[bytes]
 
 
-def _skeleton_spans(module: str, shape: str, framed: bool) -> list[bytes]:
-    """The fixed spans of the pickle `pickle.dumps` writes for KvMetrics (`shape` "object": plain
-    class or dataclass, NEWOBJ + BUILD; "struct": msgspec's `rebuild(cls, state)` REDUCE), cut at
-    the eight value holes. `framed`: protocol 4/5 encoding (SHORT_BINUNICODE, MEMOIZE,
-    STACK_GLOBAL); else protocol 2/3 (BINUNICODE, BINPUT n, GLOBAL)."""
-    memo = 0
-
-    def put() -> bytes:
-        nonlocal memo
-        memo += 1
-        return pickle.MEMOIZE if framed else pickle.BINPUT + bytes([memo - 1])
+def _skeleton_spans(module: str, shape: str) -> list[bytes]:
+    """The fixed spans of the protocol 4/5 pickle `pickle.dumps` writes for KvMetrics after
+    PROTO [FRAME] (`shape` "object": plain class or dataclass, NEWOBJ + BUILD; "struct": msgspec's
+    `rebuild(cls, state)` REDUCE), cut at the eight value holes."""
 
     def text(s: str) -> bytes:
         b = s.encode()
-        if framed and len(b) < 256:
+        if len(b) < 256:
             return pickle.SHORT_BINUNICODE + bytes([len(b)]) + b
         return pickle.BINUNICODE + len(b).to_bytes(4, "little") + b
 
     def global_(mod: str, name: str) -> bytes:
-        if framed:
-            head = text(mod) + put()
-            head += text(name) + put()
-            return head + pickle.STACK_GLOBAL + put()
-        return pickle.GLOBAL + f"{mod}\n{name}\n".encode() + put()
+        return text(mod) + pickle.MEMOIZE + text(name) + pickle.MEMOIZE + pickle.STACK_GLOBAL + pickle.MEMOIZE
 
     if shape == "object":
-        out = global_(module, "KvMetrics") + pickle.EMPTY_TUPLE + pickle.NEWOBJ + put()
+        out = global_(module, "KvMetrics") + pickle.EMPTY_TUPLE + pickle.NEWOBJ + pickle.MEMOIZE
     else:
-        out = global_(*_MSGSPEC_REBUILD)
-        out += global_(module, "KvMetrics")
-    out += pickle.EMPTY_DICT + put() + pickle.MARK
+        out = global_(*_MSGSPEC_REBUILD) + global_(module, "KvMetrics")
+    out += pickle.EMPTY_DICT + pickle.MEMOIZE + pickle.MARK
     spans = []
     for name in KV_METRICS_FIELDS:
-        out += text(name)
-        out += put()
-        spans.append(out)
+        spans.append(out + text(name) + pickle.MEMOIZE)
         out = b""
     out += pickle.SETITEMS
     if shape == "object":
         out += pickle.BUILD
     else:
-        out += pickle.TUPLE2 + put() + pickle.REDUCE + put()
+        out += pickle.TUPLE2 + pickle.MEMOIZE + pickle.REDUCE + pickle.MEMOIZE
     spans.append(out + pickle.STOP)
     return spans
 
@@ -248,20 +236,18 @@ _HOLES = [
 
 
 def _build_skeletons() -> tuple[int, dict[bytes, _Skeleton], dict[bytes, _Skeleton]]:
-    forms = [(m, shape, framed) for m in KV_METRICS_MODULES for shape in ("object", "struct") for framed in (False, True)]
-    spans = {form: _skeleton_spans(*form) for form in forms}
+    spans = {(m, shape): _skeleton_spans(m, shape) for m in KV_METRICS_MODULES for shape in ("object", "struct")}
     window = min(len(s[0]) for s in spans.values())  # the first span is never shorter: no value in it
-    after_frame: dict[bytes, _Skeleton] = {}  # protocol 4/5 with FRAME: the window starts at byte 11
-    after_proto: dict[bytes, _Skeleton] = {}  # no FRAME: the window starts at byte 2
-    for (module, shape, framed), sp in spans.items():
-        first, rest = sp[0][window:], sp[1:]
-        fixed = (first, *rest)
+    after_frame: dict[bytes, _Skeleton] = {}  # with FRAME: the window starts at byte 11
+    after_proto: dict[bytes, _Skeleton] = {}  # without FRAME (allowed by pickle): at byte 2
+    for sp in spans.values():
+        fixed = (sp[0][window:], *sp[1:])
         rx = re.compile(
             b"".join(b"(.{%d})" % len(f) + hole for f, hole in zip(fixed, _HOLES)) + b"(.{%d})" % len(fixed[-1]),
             re.DOTALL,
         )
-        sk = _Skeleton(frozenset((4, 5) if framed else (2, 3)), sp[0][:window], fixed, rx)
-        for table in ((after_frame, after_proto) if framed else (after_proto,)):
+        sk = _Skeleton(frozenset((4, 5)), sp[0][:window], fixed, rx)
+        for table in (after_frame, after_proto):
             assert sk.window not in table, "ambiguous skeleton window"
             table[sk.window] = sk
     return window, after_frame, after_proto
