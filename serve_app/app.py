@@ -246,7 +246,7 @@ class KvRouter:
             return parsed
         _, _, facts, policy = parsed
         try:
-            d = self.core.decide(facts, policy)
+            d, _ = self.core.decide(facts, policy)
         except NoWorkerAvailable as exc:
             return _error(503, str(exc), code="no_worker", headers={"retry-after": "1"})
         return JSONResponse({"worker": d.worker, "url": d.url, "policy": d.policy, "reason": d.reason})
@@ -319,7 +319,7 @@ class KvRouter:
         for attempt in range(self.config.max_attempts):
             t_decide = time.perf_counter()
             try:
-                d = self.core.decide(facts, policy, exclude=tried | self.breakers.blocked())
+                d, facts = self.core.decide(facts, policy, exclude=tried | self.breakers.blocked())
             except NoWorkerAvailable as exc:
                 if not failures:
                     m.requests.labels(policy, "", "no_worker").inc()
@@ -345,7 +345,6 @@ class KvRouter:
             except asyncio.CancelledError:  # client went away before the worker answered
                 self.core.ledger.on_failed(rid)
                 raise
-            self.core.prefix.record(d.worker, facts.block_hashes)
             out_headers = {**up.headers(), WORKER_HEADER: d.worker}
             if not stream:
                 try:

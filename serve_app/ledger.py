@@ -11,6 +11,12 @@ Per request, in blocks of the router's block size:
 - prefill blocks = prompt blocks − cached blocks, counted until the first token (`on_first_token`);
 - KV blocks = the same new blocks, counted until the request ends (the engine holds them).
 
+Requests end between reports too: SGLang reports every 40 decode steps, so a short request can
+start and finish between two reports, and the last report keeps counting it as running (and its
+KV as active) until the next one — or, when that was the worker's last activity, until
+`idle_after_s`. So a request that a report absorbed and that finished after that report was
+produced is taken back out of the report's figures (`finished`) until a newer report arrives.
+
 Router replicas share their pending counts (`export` / `merge_remote`) so they don't herd on each
 other either. Every event is O(1) amortised; the ledger is for one asyncio loop (not thread-safe).
 All times are on the ledger's clock (`time.monotonic` by default).
@@ -53,6 +59,8 @@ class LedgerView(NamedTuple):
     pending_prefill_blocks: int  # prompt blocks of pending requests not yet past first token
     pending_kv_blocks: int  # KV blocks of pending requests
     remote_pending: int  # other replicas' pending requests on this worker
+    finished: int = 0  # requests the last report counts that have finished since
+    finished_kv_blocks: int = 0  # their KV blocks
 
 
 class _Req:
@@ -70,7 +78,7 @@ class _Req:
 
 class _Worker:
     __slots__ = ("in_flight", "prefill", "kv", "pending", "pending_prefill", "pending_kv",
-                 "queue", "reported_at")
+                 "queue", "reported_at", "gone", "gone_n", "gone_kv")
 
     def __init__(self) -> None:
         self.in_flight = 0
@@ -81,6 +89,9 @@ class _Worker:
         self.pending_kv = 0
         self.queue: deque[_Req] = deque()  # not-yet-absorbed requests in routing order
         self.reported_at = float("-inf")
+        self.gone: deque[tuple[float, int]] = deque()  # (end time, kv) of absorbed ones that ended
+        self.gone_n = 0
+        self.gone_kv = 0
 
 
 class Ledger:
@@ -98,9 +109,11 @@ class Ledger:
         config: LedgerConfig | None = None,
         *,
         replica_id: str = "local",
+        block_tokens: int = 16,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config or LedgerConfig()
+        self.block_tokens = block_tokens  # the router's block size (blocks → worker pages)
         self.replica_id = replica_id
         self._clock = clock
         self._reqs: OrderedDict[str, _Req] = OrderedDict()  # routing order, for the age sweep
@@ -172,6 +185,12 @@ class Ledger:
         cutoff = at - self.config.report_latency_s
         q = w.queue
         changed = False
+        gone = w.gone
+        while gone and gone[0][0] < at:  # ended before this report was produced: not in it
+            _, kv = gone.popleft()
+            w.gone_n -= 1
+            w.gone_kv -= kv
+            changed = True
         while q and q[0].routed_at <= cutoff:
             r = q.popleft()
             if r.done or r.absorbed:
@@ -195,7 +214,8 @@ class Ledger:
             return LedgerView(0, 0, 0, 0, remote)
         if idle:
             return LedgerView(w.in_flight, w.in_flight, w.prefill, w.kv, remote)
-        return LedgerView(w.in_flight, w.pending, w.pending_prefill, w.pending_kv, remote)
+        return LedgerView(w.in_flight, w.pending, w.pending_prefill, w.pending_kv, remote,
+                          w.gone_n, w.gone_kv)
 
     def in_flight(self, worker: str) -> int:
         w = self._workers.get(worker)
@@ -209,9 +229,16 @@ class Ledger:
         lv = self.view(v.name, idle=idle)
         if idle:
             return WorkerView(v.name, v.url, v.state, v.page_size, 0, v.total_slots, 0, 0,
-                              v.kv_total_blocks, *lv)
-        return WorkerView(v.name, v.url, v.state, v.page_size, v.running, v.total_slots, v.waiting,
-                          v.kv_active_blocks, v.kv_total_blocks, *lv)
+                              v.kv_total_blocks, *lv[:5], v.hot_blocks)
+        running, waiting, kv = v.running, v.waiting, v.kv_active_blocks
+        if lv.finished:  # ended since the report: out of its running (then waiting) and KV figures
+            gone = lv.finished
+            if gone > running:
+                waiting = max(0, waiting - (gone - running))
+            running = max(0, running - gone)
+            kv = max(0, kv - -(-lv.finished_kv_blocks * self.block_tokens // max(1, v.page_size)))
+        return WorkerView(v.name, v.url, v.state, v.page_size, running, v.total_slots, waiting,
+                          kv, v.kv_total_blocks, *lv[:5], v.hot_blocks)
 
     def take_dirty(self) -> set[str]:
         """Workers whose ledger figures changed since the last call (rebuild only their views)."""
@@ -289,7 +316,11 @@ class Ledger:
         w.kv -= r.kv
         if not r.prefilled:
             w.prefill -= r.prefill
-        if not r.absorbed:
+        if r.absorbed:  # the last report counts it: take it back out until a newer report
+            w.gone.append((self._clock(), r.kv))
+            w.gone_n += 1
+            w.gone_kv += r.kv
+        else:
             w.pending -= 1
             w.pending_kv -= r.kv
             if not r.prefilled:
@@ -318,12 +349,18 @@ def apply_all(ledger: Ledger, views: Iterable[WorkerView]) -> list[WorkerView]:
     return [ledger.apply(v) for v in views]
 
 
-def refresh_fleet(fleet: FleetView, base: Mapping[str, WorkerView], ledger: Ledger) -> None:
-    """Re-apply the ledger to the workers whose figures changed since the last call.
+def refresh_fleet(
+    fleet: FleetView, base: Mapping[str, WorkerView], ledger: Ledger, also: Iterable[str] = ()
+) -> None:
+    """Re-apply the ledger to the workers whose figures changed since the last call (and to
+    `also`, workers whose `base` view changed otherwise).
 
     `base` holds each worker's view as the snapshot gave it (no ledger figures). Call before every
     decision; after a new snapshot, build `FleetView(apply_all(ledger, base.values()))` instead."""
-    for name in ledger.take_dirty():
+    names = ledger.take_dirty()
+    if also:
+        names |= set(also)
+    for name in names:
         v = base.get(name)
         if v is not None:
             fleet.update(ledger.apply(v))

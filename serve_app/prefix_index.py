@@ -99,6 +99,11 @@ class PrefixIndex:
 
     Memory is bounded by `max_entries` block hashes (each with the few workers holding it);
     entries unused for `ttl_s` are dropped. `record` is O(blocks), `overlap` O(log blocks) probes.
+
+    It also keeps, per worker, the *hot* blocks: those sent to that worker at least twice (reused
+    while held, e.g. a shared system prompt or a conversation's history — not a prompt's unique
+    tail). `hot_blocks(worker)` is what a new prompt would push out of that worker's cache first;
+    kv_aware prices that eviction. `take_changed()` names the workers whose count moved.
     """
 
     def __init__(
@@ -114,22 +119,42 @@ class PrefixIndex:
         self.max_entries = max_entries
         self._clock = clock
         self._entries: OrderedDict[int, dict[str, float]] = OrderedDict()  # LRU first
+        self._hot: dict[str, set[int]] = {}  # worker → hashes it was sent twice or more
+        self._changed: set[str] = set()
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def hot_blocks(self, worker: str) -> int:
+        """Blocks sent to `worker` more than once and still indexed (see the class docstring)."""
+        hot = self._hot.get(worker)
+        return len(hot) if hot else 0
+
+    def take_changed(self) -> set[str]:
+        """Workers whose `hot_blocks` changed since the last call."""
+        c, self._changed = self._changed, set()
+        return c
 
     def record(self, worker: str, block_hashes: Sequence[int], now: float | None = None) -> None:
         """`worker` was sent a prompt with these blocks: it will hold them (refreshes their use)."""
         now = self._clock() if now is None else now
         entries = self._entries
         move = entries.move_to_end
+        hot = self._hot.get(worker)
+        if hot is None:
+            hot = self._hot[worker] = set()
+        n_hot = len(hot)
         for h in reversed(block_hashes):  # root last: it becomes the most recently used
             e = entries.get(h)
             if e is None:
                 entries[h] = {worker: now}
             else:
+                if worker in e:
+                    hot.add(h)
                 e[worker] = now
                 move(h)
+        if len(hot) != n_hot:
+            self._changed.add(worker)
         self._evict(now)
 
     def overlap(self, block_hashes: Sequence[int], now: float | None = None) -> dict[str, int]:
@@ -170,6 +195,8 @@ class PrefixIndex:
                 dead.append(h)
         for h in dead:
             del self._entries[h]
+        if self._hot.pop(worker, None):
+            self._changed.add(worker)
 
     def expire(self, now: float | None = None) -> None:
         """Drop entries unused for `ttl_s` (also done on every `record`)."""
@@ -178,13 +205,21 @@ class PrefixIndex:
     def _evict(self, now: float) -> None:
         entries = self._entries
         while len(entries) > self.max_entries:
-            entries.popitem(last=False)
+            self._forget(*entries.popitem(last=False))
         cutoff = now - self.ttl_s
         while entries:
             h, e = next(iter(entries.items()))
             if max(e.values()) >= cutoff:
                 return
             del entries[h]
+            self._forget(h, e)
+
+    def _forget(self, h: int, holders: dict[str, float]) -> None:
+        for w in holders:
+            hot = self._hot.get(w)
+            if hot and h in hot:
+                hot.discard(h)
+                self._changed.add(w)
 
 
 class KvEventIndex:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Any
+from dataclasses import replace
+from typing import Any, Callable
 
 from actors.models import KV_METRICS_FIELDS
 from serve_app.config import RouterConfig
@@ -20,8 +21,9 @@ from serve_app.prefix_index import KvEventIndex, PrefixIndex
 from serve_app.request_facts import FactsConfig, facts_from_body
 
 
-def base_view(rec: WorkerRecord) -> WorkerView:
-    """A worker as its last report shows it (the ledger adds its own figures on top)."""
+def base_view(rec: WorkerRecord, hot_blocks: int = 0) -> WorkerView:
+    """A worker as its last report shows it, with the prefix index's hot blocks (the ledger adds
+    its own figures on top)."""
     m = rec.metrics or {}
     return WorkerView(
         name=rec.name,
@@ -33,19 +35,27 @@ def base_view(rec: WorkerRecord) -> WorkerView:
         waiting=m.get("num_requests_waiting", 0),
         kv_active_blocks=m.get("kv_active_blocks", 0),
         kv_total_blocks=m.get("kv_total_blocks", 0),
+        hot_blocks=hot_blocks,
     )
 
 
 class RouterCore:
     """Fleet view (from the follower) + ledger + prefix index → a policy's decision, all local."""
 
-    def __init__(self, config: RouterConfig, follower: FleetFollower, replica_id: str) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        follower: FleetFollower,
+        replica_id: str,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self.follower = follower
         self.replica_id = replica_id
         self.rng = random.Random(config.seed)
-        self.ledger = Ledger(replica_id=replica_id)
-        self.prefix = PrefixIndex()
+        self.ledger = Ledger(replica_id=replica_id, block_tokens=config.block_size, clock=clock)
+        self.prefix = PrefixIndex(clock=clock)
         self.exact = KvEventIndex(config.block_size)
         self.kv_follower: KvFollower | None = None  # set by the Serve shell (needs Ray handles)
         self.facts_config = FactsConfig(block_tokens=config.block_size)
@@ -84,7 +94,7 @@ class RouterCore:
             # never match the engine's token blocks, so following would erase all affinity
             if actor_name and self.kv_follower is not None and self.config.tokenizer != "none":
                 self.kv_follower.ensure(name, actor_name)
-            base = base_view(rec)
+            base = base_view(rec, self.prefix.hot_blocks(name))
             self._base[name] = base
             self.fleet.update(self.ledger.apply(base))
             for replica, counts in self._remote.items():
@@ -108,7 +118,12 @@ class RouterCore:
                 del self._remote[replica]
 
     def views(self) -> FleetView:
-        refresh_fleet(self.fleet, self._base, self.ledger)
+        hot = self.prefix.take_changed()
+        if hot:
+            hot &= self._base.keys()
+            for name in hot:
+                self._base[name] = replace(self._base[name], hot_blocks=self.prefix.hot_blocks(name))
+        refresh_fleet(self.fleet, self._base, self.ledger, also=hot)
         return self.fleet
 
     # --- decisions ----------------------------------------------------------------------------
@@ -143,8 +158,10 @@ class RouterCore:
 
     def decide(
         self, request: RouteRequest, policy_name: str | None = None, exclude: set[str] | frozenset[str] = frozenset()
-    ) -> Decision:
-        """Pick a worker (never one in `exclude`, e.g. already failed for this request)."""
+    ) -> tuple[Decision, RouteRequest]:
+        """Pick a worker (never one in `exclude`, e.g. already failed for this request). Returns
+        the decision and the request with the prefix overlap it was decided on — pass that one to
+        `on_routed`, so the ledger charges only the blocks the worker must still prefill."""
         policy = self.policy(policy_name)
         if request.block_hashes:
             overlap = self.prefix.overlap(request.block_hashes)
@@ -156,10 +173,15 @@ class RouterCore:
             request = request.with_overlap(overlap)
         fleet = self.views()
         workers = fleet if not exclude else [v for v in fleet if v.name not in exclude]
-        return policy.choose(request, workers, self.rng)
+        return policy.choose(request, workers, self.rng), request
 
     def on_routed(self, request_id: str, request: RouteRequest, worker: str) -> None:
+        """The request is being sent to `worker`: count it in flight and index its prompt there
+        (now, not when the worker answers: a long prefill would otherwise let the next requests
+        with the same prefix miss it). A failed attempt leaves a stale entry that ages out."""
         self.ledger.on_routed(request_id, worker, request.prompt_blocks, request.overlap.get(worker, 0))
+        if request.block_hashes:
+            self.prefix.record(worker, request.block_hashes)
 
     # --- public views -------------------------------------------------------------------------
 

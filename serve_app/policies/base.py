@@ -38,6 +38,9 @@ class WorkerView:
     pending_prefill_blocks: int = 0  # prompt blocks still to prefill (before first token)
     pending_kv_blocks: int = 0  # KV blocks those requests hold or will hold
     remote_pending: int = 0  # the same count from other router replicas (sizes unknown)
+    # prefix index: blocks this router has sent to the worker more than once (reused, so likely
+    # valuable in its cache) and not yet expired — what a new prompt there would evict first
+    hot_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,14 +12,22 @@ For each routable worker w, in blocks of B = `request.block_tokens` tokens:
                                                             (slot term only when total_slots > 0)
     over     = max(0, kv − kv_high_watermark·kv_total_blocks·page_size/B)
                                                             (only when kv_total_blocks > 0)
+    room     = kv_total_blocks·page_size/B − max(kv_active_blocks·page_size/B + pending_kv_blocks,
+                                                 hot_blocks)
+    evict    = min(new, max(0, new − room))                  hot cached blocks this prompt pushes out
+                                                            (only when kv_total_blocks > 0)
     raw      = prefill_weight·prefill + kv + queued_request_blocks·queued + kv_overflow_weight·over
+               + eviction_weight·evict
     cost     = raw · mean_cap / cap_w                        cap_w = kv_total_blocks·page_size; mean over
                                                             routable workers that report one; workers
                                                             without one keep raw (normalize_by_capacity)
 
 `running`, `waiting`, `kv_active_blocks` are the worker's last report (zero when `idle`); `pending*`
 are this router's dispatches that report cannot show yet and `remote_pending` other replicas'
-(see `serve_app.ledger`). Choice: let c* = min cost; the near set is every w with
+(see `serve_app.ledger`). `hot_blocks` are the blocks this router sent to w more than once
+(`serve_app.prefix_index.PrefixIndex.hot_blocks`): reused prefixes that a new prompt would evict
+and that would then be prefilled again, so a cold prompt goes where it displaces the least of them
+(what keeps two hot system prompts from sharing a cache that holds one and a half). Choice: let c* = min cost; the near set is every w with
 cost ≤ c*·(1 + tolerance) + tolerance_blocks. If some near worker has o ≥ min_overlap_blocks, pick
 the near worker with the largest o (then the lowest cost, then at random); otherwise pick at random
 among the workers whose cost equals c*. Affinity therefore never beats load blindly: a hot prefix
@@ -64,10 +72,13 @@ class KvAwareConfig:
     """Overlap below this is not affinity (the near-minimum preference ignores it)."""
     normalize_by_capacity: bool = True
     """Scale cost by mean KV capacity / the worker's, so a 2× larger worker takes 2× the load."""
+    eviction_weight: float = 5.0
+    """Cost per hot cached block a prompt would evict (`evict`): they are prefilled again when
+    their prefix comes back, so the default is one prefill (prefill_weight + 1 for its KV)."""
 
     def __post_init__(self) -> None:
         for f in ("prefill_weight", "queued_request_blocks", "remote_request_blocks",
-                  "kv_overflow_weight", "tolerance", "tolerance_blocks"):
+                  "kv_overflow_weight", "tolerance", "tolerance_blocks", "eviction_weight"):
             if getattr(self, f) < 0:
                 raise ValueError(f"KvAwareConfig.{f} must be ≥ 0, got {getattr(self, f)}")
         if not 0 < self.kv_high_watermark <= 1:
@@ -89,9 +100,10 @@ class KvAware:
     def __init__(self, config: KvAwareConfig | None = None) -> None:
         self.config = config or KvAwareConfig()
 
-    def row(self, w: WorkerView, block_tokens: int) -> tuple[float, float, float, float]:
-        """(down, base, headroom, capacity_tokens) of one worker: cost(new) =
-        scale·(base + (prefill_weight+1)·new + kv_overflow_weight·max(0, new − headroom))."""
+    def row(self, w: WorkerView, block_tokens: int) -> tuple[float, float, float, float, float]:
+        """(down, base, headroom, capacity_tokens, room) of one worker: cost(new) =
+        scale·(base + (prefill_weight+1)·new + kv_overflow_weight·max(0, new − headroom)
+               + eviction_weight·min(new, max(0, new − room)))."""
         cfg = self.config
         ps = w.page_size / block_tokens
         kv0 = w.kv_active_blocks * ps + w.pending_kv_blocks
@@ -103,11 +115,13 @@ class KvAware:
                 q += extra
         base += cfg.queued_request_blocks * q
         if w.kv_total_blocks:
-            headroom = cfg.kv_high_watermark * w.kv_total_blocks * ps - kv0
+            total = w.kv_total_blocks * ps
+            headroom = cfg.kv_high_watermark * total - kv0
+            room = total - max(kv0, w.hot_blocks)
             cap = float(w.kv_total_blocks * w.page_size)
         else:
-            headroom, cap = _INF, 0.0
-        return (1.0 if w.state == "down" else 0.0, base, headroom, cap)
+            headroom, room, cap = _INF, _INF, 0.0
+        return (1.0 if w.state == "down" else 0.0, base, headroom, cap, room)
 
     def costs(self, request: RouteRequest, workers: Sequence[WorkerView]) -> dict[str, float]:
         """Normalised cost per routable worker (for inspection, tests and `/route` debugging)."""
@@ -173,6 +187,7 @@ class KvAware:
         P = request.prompt_blocks
         k = cfg.prefill_weight + 1.0
         ow = cfg.kv_overflow_weight
+        ew = cfg.eviction_weight
         min_o = max(1, cfg.min_overlap_blocks)
         ovmap = request.overlap
         if isinstance(workers, FleetView):
@@ -182,7 +197,7 @@ class KvAware:
                 scale = cols.extra.get("scale", False)
                 if scale is False:
                     scale = cols.extra["scale"] = self._scales_numpy(cols)
-                return self._score_numpy(cols, workers, ovmap, P, k, ow, min_o, scale)
+                return self._score_numpy(cols, workers, ovmap, P, k, ow, ew, min_o, scale)
             scale = cols.extra.get("scale", False)
             if scale is False:
                 scale = cols.extra["scale"] = self._scales(rows)
@@ -198,7 +213,7 @@ class KvAware:
         append = out.append
         ovget = ovmap.get if ovmap else None
         i = -1
-        for (down, b, hr, _), name in zip(rows, names):
+        for (down, b, hr, _, room), name in zip(rows, names):
             i += 1
             if down:
                 append(_INF)
@@ -210,28 +225,31 @@ class KvAware:
                 apos.append(i)
                 aov.append(o)
                 new = P - o
-                c = b + k * new
-                if new > hr:
-                    c += ow * (new - hr)
             else:
-                c = b + kp
-                if P > hr:
-                    c += ow * (P - hr)
+                new = P
+            c = b + k * new
+            if new > hr:
+                c += ow * (new - hr)
+            if new > room:
+                c += ew * (new - room if room > 0 else new)
             append(c)
         if scale is not None:
             out = [c * f for c, f in zip(out, scale)]
         return out, apos, aov
 
     @staticmethod
-    def _score_numpy(cols: Columns, fleet: FleetView, ovmap: Any, P: int, k: float, ow: float,
+    def _score_numpy(cols: Columns, fleet: FleetView, ovmap: Any, P: int, k: float, ow: float, ew: float,
                      min_o: int, scale: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        down, base, headroom, _cap = cols.arrays
+        down, base, headroom, _cap, room = cols.arrays
         cost = base + k * P
         hmin = cols.extra.get("hmin")
         if hmin is None:
             hmin = cols.extra["hmin"] = float(headroom.min())
+            cols.extra["rmin"] = float(room.min())
         if P > hmin:
             cost += ow * np.maximum(P - headroom, 0.0)
+        if P > cols.extra["rmin"]:
+            cost += ew * np.clip(P - room, 0.0, P)
         if scale is not None:
             cost *= scale
         anydown = cols.extra.get("anydown")
@@ -252,7 +270,8 @@ class KvAware:
         if len(pos):
             np.minimum(ov, P, out=ov)
             new = P - ov
-            c = base[pos] + k * new + ow * np.maximum(new - headroom[pos], 0.0)
+            c = (base[pos] + k * new + ow * np.maximum(new - headroom[pos], 0.0)
+                 + ew * np.minimum(np.maximum(new - room[pos], 0.0), new))
             if scale is not None:
                 c *= scale[pos]
             cost[pos] = c
@@ -262,13 +281,13 @@ class KvAware:
         """`_scales` over cached columns, vectorised (recomputed after any row changes)."""
         if not self.config.normalize_by_capacity:
             return None
-        down, _, _, cap = cols.arrays
+        down, _, _, cap, _ = cols.arrays
         known = cap[(cap > 0) & (down == 0)]
         if not len(known) or known.min() == known.max():
             return None
         return np.where(cap > 0, known.mean() / np.where(cap > 0, cap, 1.0), 1.0)
 
-    def _scales(self, rows: list[tuple[float, float, float, float]]) -> list[float] | None:
+    def _scales(self, rows: list[tuple[float, ...]]) -> list[float] | None:
         """Per-worker factor mean_cap / cap_w (1 for unknown capacity), or None when all are 1."""
         if not self.config.normalize_by_capacity:
             return None

@@ -68,7 +68,49 @@ def test_a_report_absorbs_dispatches_routed_before_it_minus_latency(ledger, cloc
     assert ledger.view("w") == LedgerView(2, 0, 0, 0, 0)
     ledger.on_finished("old")
     ledger.on_finished("recent")
+    # both are in the last report's figures: they stay "finished since" until a newer report
+    assert ledger.view("w") == LedgerView(0, 0, 0, 0, 0, finished=2, finished_kv_blocks=30)
+    clock.t += 0.01
+    ledger.on_report("w", at=clock.t)
     assert ledger.view("w") == LedgerView(0, 0, 0, 0, 0)
+
+
+def test_requests_ending_after_the_report_leave_its_figures(clock):
+    """SGLang reports every 40 decode steps: short requests end between reports, and until the
+    next one the report would keep counting them (the "busy after a burst" view)."""
+    ledger = Ledger(LedgerConfig(report_latency_s=0.1), block_tokens=16, clock=clock)
+    for i in range(3):
+        ledger.on_routed(f"r{i}", "w", 8)
+    clock.t += 0.5
+    ledger.on_report("w", at=clock.t)  # the report shows the three as running
+    reported = WorkerView("w", "u", "live", page_size=16, running=3, total_slots=32, waiting=1,
+                          kv_active_blocks=40, kv_total_blocks=768)
+    assert ledger.apply(reported).running == 3
+    ledger.on_finished("r0")
+    ledger.on_finished("r1")
+    v = ledger.apply(reported)
+    assert (v.running, v.waiting, v.kv_active_blocks) == (1, 1, 24)
+    ledger.on_finished("r2")
+    ledger.on_routed("r3", "w", 8)  # not absorbed: pending as before
+    v = ledger.apply(reported)
+    assert (v.running, v.waiting, v.kv_active_blocks, v.pending) == (0, 1, 16, 1)
+    # more ended than the report ran: the rest come out of its waiting count
+    big = Ledger(LedgerConfig(report_latency_s=0.0), clock=clock)
+    for i in range(3):
+        big.on_routed(f"q{i}", "w", 1)
+    clock.t += 0.1
+    big.on_report("w", at=clock.t)
+    for i in range(3):
+        big.on_finished(f"q{i}")
+    v = big.apply(WorkerView("w", "u", "live", running=1, waiting=2, kv_active_blocks=3))
+    assert (v.running, v.waiting, v.kv_active_blocks) == (0, 0, 0)
+    # an idle worker's report is not load anyway: zero, with nothing subtracted twice
+    v = big.apply(WorkerView("w", "u", "idle", running=1, waiting=2, kv_active_blocks=3))
+    assert (v.running, v.waiting, v.kv_active_blocks) == (0, 0, 0)
+    # a newer report already excludes them
+    clock.t += 0.01
+    big.on_report("w", at=clock.t)
+    assert big.apply(WorkerView("w", "u", "live", running=1, waiting=2)).running == 1
 
 
 def test_reports_older_than_the_last_one_are_ignored(ledger, clock):

@@ -249,6 +249,19 @@ def test_kv_over_the_high_watermark_is_penalised():
     assert KvAware(cfg).choose(req(1024), ws, random.Random(0)).worker == "full"
 
 
+def test_a_cold_prompt_goes_where_it_evicts_no_reused_prefix():
+    """Two hot system prompts fill w0's cache; a new one there would push one of them out (and it
+    would be prefilled again on its next request): the cold prompt goes to w1 instead."""
+    ws = [worker("w0", kv_total_blocks=600, hot_blocks=500), worker("w1", kv_total_blocks=600, hot_blocks=250)]
+    picks = {KvAware().choose(req(4096), ws, random.Random(s)).worker for s in range(40)}
+    assert picks == {"w1"}
+    # without the eviction price the two are equal: ties at random
+    flat = KvAware(KvAwareConfig(eviction_weight=0.0))
+    assert {flat.choose(req(4096), ws, random.Random(s)).worker for s in range(40)} == {"w0", "w1"}
+    # the prompt whose prefix w0 holds still goes there: it evicts nothing new
+    assert KvAware().choose(req(4096, {"w0": 250}), ws, random.Random(0)).worker == "w0"
+
+
 def test_costs_are_normalised_by_capacity_on_heterogeneous_fleets():
     small = worker("small", kv_total_blocks=1000, kv_active_blocks=100)
     big = worker("big", kv_total_blocks=3000, kv_active_blocks=250)  # 2.5× the load, 3× the room
@@ -282,7 +295,8 @@ def test_kv_aware_config_is_frozen_and_validated():
 def test_kv_aware_docstring_states_the_formula():
     import serve_app.policies.kv_aware as mod
 
-    for term in ("prefill_weight", "queued_request_blocks", "kv_high_watermark", "tolerance"):
+    for term in ("prefill_weight", "queued_request_blocks", "kv_high_watermark", "tolerance",
+                 "eviction_weight", "hot_blocks"):
         assert term in mod.__doc__
 
 
@@ -295,7 +309,7 @@ def random_fleet(rng: random.Random, n: int) -> list[WorkerView]:
                total_slots=16, waiting=rng.randrange(3), kv_active_blocks=rng.randrange(4096),
                kv_total_blocks=rng.choice([4096, 8192, 0]), pending=rng.randrange(3),
                pending_prefill_blocks=rng.randrange(200), pending_kv_blocks=rng.randrange(200),
-               remote_pending=rng.randrange(2))
+               remote_pending=rng.randrange(2), hot_blocks=rng.randrange(8192))
         for i in range(n)
     ]
 

@@ -191,3 +191,34 @@ def test_exact_mode_uses_the_callers_hasher_on_both_sides():
 @pytest.mark.parametrize("n", [0, 3])
 def test_hash_token_blocks_ignores_a_partial_tail(n):
     assert len(hash_token_blocks(list(range(16 + n)), 16)) == 1
+
+
+def test_hot_blocks_are_the_ones_sent_to_a_worker_more_than_once():
+    clock = Clock()
+    ix = PrefixIndex(ttl_s=10, clock=clock)
+    system = chain("sys", 20)
+    ix.record("a", system + chain("q1", 3))
+    assert ix.hot_blocks("a") == 0 and ix.take_changed() == set()  # one prompt: nothing reused yet
+    ix.record("a", system + chain("q2", 3))  # same system prompt, another question
+    assert ix.hot_blocks("a") == 20  # the shared part, not the questions' unique tails
+    assert ix.take_changed() == {"a"} and ix.take_changed() == set()
+    ix.record("b", system)  # another worker's first copy is not hot there
+    assert (ix.hot_blocks("a"), ix.hot_blocks("b")) == (20, 0)
+    ix.record("a", system)  # nothing new became hot
+    assert ix.take_changed() == set()
+    clock.t = 30.0  # everything expired
+    ix.expire()
+    assert (ix.hot_blocks("a"), len(ix)) == (0, 0)
+    assert ix.take_changed() == {"a"}
+
+
+def test_hot_blocks_follow_lru_eviction_and_worker_removal():
+    ix = PrefixIndex(max_entries=30)
+    ix.record("a", chain("x", 20))
+    ix.record("a", chain("x", 20))
+    ix.record("b", chain("y", 20))  # 40 entries > 30: the LRU ones (x's deepest) go
+    assert ix.hot_blocks("a") == 10
+    ix.take_changed()
+    ix.record("b", chain("y", 20))
+    ix.remove_worker("b")
+    assert ix.hot_blocks("b") == 0 and "b" in ix.take_changed()

@@ -1,0 +1,314 @@
+"""Routing in virtual time: kvroute's decision plane over simulated engines, no sockets, no clock.
+
+A development tool for the routing policies. The simulated SGLang engine (`sim.engine.Engine`:
+FIFO admission, continuous batching, radix prefix cache, KvMetrics at SGLang's cadence) is pure
+and clock-free, so a whole fleet and kvroute's own router pieces — `facts_from_body`,
+`PrefixIndex`, `Ledger`, `FleetView` and the policies — can be driven by one discrete-event loop
+in simulated seconds. A trace of minutes runs in seconds and the same seed gives the same result,
+which makes policy changes comparable on a shared 2-core machine where the wall-clock benchmark
+(`bench.run`) is noisy. What it leaves out: HTTP, the aggregator hop (modelled as a fixed report
+delay) and every peer's real implementation — figures that compare with peers come from
+`bench.run` only. `cache_aware*` here is a *model* of sglang-router's cache_aware policy (approximate
+per-worker prefix tree of request text, LRU-bounded; balance thresholds on in-flight counts),
+kept as a yardstick for tuning.
+
+    python -m bench.routesim [--workload shared_prefix] [--rates 12,24,30] [--duration 60]
+                             [--policies kv_aware,cache_aware,round_robin] [--seeds 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.run import ENGINE, MT, NS, SP  # noqa: E402
+from bench.workloads import build_messages, make_trace  # noqa: E402
+from serve_app.config import RouterConfig  # noqa: E402
+from serve_app.follower import FleetFollower, WorkerRecord  # noqa: E402
+from serve_app.router import RouterCore  # noqa: E402
+from sim import tokenizer  # noqa: E402
+from sim.config import EngineConfig  # noqa: E402
+from sim.engine import Engine, KvReport  # noqa: E402
+
+PARAMS = {"shared_prefix": SP, "multi_turn": MT, "no_sharing": NS}
+
+
+@dataclass
+class Knobs:
+    net_s: float = 0.001  # router ↔ worker, each way
+    report_delay_s: float = 0.004  # engine report → router's view (actor push + aggregator + follower)
+    idle_after_s: float = 3.0
+
+
+class CacheAwareModel:
+    """A model of sglang-router's cache_aware (defaults: cache_threshold 0.3, balance_abs_threshold
+    64, balance_rel_threshold 1.5, LRU-bounded trees): when in-flight counts are imbalanced route to
+    the least loaded; otherwise to the worker whose tree matches the longest prefix of the request
+    text if the match rate exceeds the threshold, else to the worker with the smallest tree."""
+
+    name = "cache_aware"
+
+    def __init__(self, names: list[str], *, cache_threshold: float = 0.3, abs_thr: int = 64,
+                 rel_thr: float = 1.5, max_tree_chars: int = 2**24) -> None:
+        self.names = names
+        self.cache_threshold, self.abs_thr, self.rel_thr = cache_threshold, abs_thr, rel_thr
+        self.max_chars = max_tree_chars
+        self.trees: dict[str, dict[str, float]] = {n: {} for n in names}  # chunk-prefix → last use
+        self.size: dict[str, int] = dict.fromkeys(names, 0)
+
+    CHUNK = 64  # match granularity (chars): a trie at chunk level is enough for a model
+
+    def _keys(self, text: str) -> list[str]:
+        return [text[: i + self.CHUNK] for i in range(0, len(text) - self.CHUNK + 1, self.CHUNK)]
+
+    def choose(self, text: str, load: dict[str, int], rng: random.Random, now: float) -> str:
+        lo, hi = min(load.values()), max(load.values())
+        if hi - lo > self.abs_thr and hi > lo * self.rel_thr:
+            return min(self.names, key=lambda n: (load[n], rng.random()))
+        keys = self._keys(text)
+        best, best_n = None, 0
+        for n in self.names:
+            t = self.trees[n]
+            k = 0
+            while k < len(keys) and keys[k] in t:
+                k += 1
+            if k > best_n or (k == best_n and best is not None and rng.random() < 0.5):
+                best, best_n = n, k
+        if best is not None and keys and best_n / len(keys) > self.cache_threshold:
+            pick = best
+        else:
+            pick = min(self.names, key=lambda n: (self.size[n], rng.random()))
+        t = self.trees[pick]
+        for k in keys:
+            if k not in t:
+                self.size[pick] += self.CHUNK
+            t[k] = now
+        if self.size[pick] > self.max_chars:  # LRU eviction by chunk
+            for k, _ in sorted(t.items(), key=lambda kv: kv[1])[: len(t) // 4]:
+                del t[k]
+                self.size[pick] -= self.CHUNK
+        return pick
+
+
+@dataclass
+class _W:
+    name: str
+    engine: Engine
+    busy: bool = False
+    reports: list[KvReport] = field(default_factory=list)
+    last_report_at: float = float("-inf")
+
+
+@dataclass
+class Result:
+    policy: str
+    rate: float
+    requests: int
+    ttft: list[float]
+    e2e: list[float]
+    cached: int
+    prompt: int
+    first_send: float
+    last_end: float
+    per_worker: dict[str, int]
+
+    def summary(self) -> dict[str, float]:
+        q = statistics.quantiles(self.ttft, n=100) if len(self.ttft) > 1 else [0.0] * 99
+        return {
+            "req/s": self.requests / max(1e-9, self.last_end - self.first_send),
+            "ttft_p50_ms": q[49] * 1e3, "ttft_p99_ms": q[98] * 1e3,
+            "e2e_p50_ms": statistics.median(self.e2e) * 1e3 if self.e2e else 0.0,
+            "hit": self.cached / max(1, self.prompt),
+            "spread": max(self.per_worker.values()) / max(1e-9, statistics.mean(self.per_worker.values())),
+        }
+
+
+async def _no_aggregator() -> Any:
+    raise RuntimeError("routesim feeds the follower by hand")
+
+
+def run(workload: str, rate: float, duration_s: float, policy: str, *, seed: int = 1, workers: int = 4,
+        knobs: Knobs | None = None, kv_aware: dict[str, Any] | None = None, warmup_s: float = 0.0,
+        engine: dict[str, Any] | None = None) -> Result:
+    """Drive one trace through `workers` simulated engines routed by `policy`."""
+    k = knobs or Knobs()
+    eng = {**ENGINE, **(engine or {})}
+    cfg = EngineConfig(page_size=eng["page_size"], max_total_num_tokens=eng["max_total_num_tokens"],
+                       max_running_requests=eng["max_running_requests"])
+    now = 0.0
+    events: list[tuple[float, int, str, Any]] = []
+    seq = itertools.count()
+
+    def at(t: float, kind: str, payload: Any) -> None:
+        heapq.heappush(events, (t, next(seq), kind, payload))
+
+    ws: dict[str, _W] = {}
+    for i in range(workers):
+        w = _W(f"sim-{i}", None)  # type: ignore[arg-type]
+
+        class _L:
+            def __init__(self, w: _W) -> None:
+                self.w = w
+
+            def on_kv_metrics(self, report: KvReport) -> None:
+                at(now + k.report_delay_s, "report", (self.w.name, report, now))
+
+            def on_kv_events(self, events: list) -> None:
+                pass
+
+        w.engine = Engine(cfg, _L(w))
+        ws[w.name] = w
+    names = list(ws)
+    clock: Callable[[], float] = lambda: now  # noqa: E731
+    # kvroute's own decision plane, fed by hand instead of by the aggregator
+    follower = FleetFollower(_no_aggregator)
+    core = RouterCore(RouterConfig(policy="kv_aware" if policy == "cache_aware" else policy,
+                                   kv_aware=kv_aware or {}, seed=seed), follower, "sim", clock=clock)
+
+    def update(name: str, metrics: dict[str, Any] | None, produced: float | None, state: str) -> None:
+        follower.workers[name] = WorkerRecord(name, name, cfg.page_size, state, True, "", metrics,
+                                              [], produced, now, 0.0)
+        core._on_fleet_update([name])
+
+    for n in names:
+        update(n, None, None, "idle")
+    pol = CacheAwareModel(names) if policy == "cache_aware" else None
+    rng = random.Random(seed)
+    ca_load = dict.fromkeys(names, 0)
+
+    trace = make_trace(workload, seed, rate, duration_s, **PARAMS[workload])
+    replies: dict[str, list[str]] = {}
+    info: dict[str, dict[str, Any]] = {}  # rid → bookkeeping
+    res = Result(policy, rate, 0, [], [], 0, 0, float("inf"), 0.0, dict.fromkeys(names, 0))
+    for s in trace.sessions:
+        replies[s.sid] = []
+        at(s.start_s, "arrive", (s, 0))
+
+    def kick(w: _W) -> None:
+        if w.busy:
+            return
+        batch = w.engine.schedule(now)
+        if batch is not None:
+            w.busy = True
+            at(now + batch.duration, "complete", (w.name, batch))
+
+    def state_of(n: str) -> str:
+        return "live" if now - ws[n].last_report_at <= k.idle_after_s else "idle"
+
+    while events:
+        now, _, kind, p = heapq.heappop(events)
+        if kind == "arrive":
+            s, turn = p
+            msgs = build_messages(s, turn, replies[s.sid])
+            body = {"model": "m", "messages": msgs, "max_tokens": s.turns[turn].max_tokens, "stream": True}
+            rid = f"{s.sid}/{turn}"
+            if pol is not None:
+                text = "".join(m["content"] for m in msgs)
+                name = pol.choose(text, ca_load, rng, now)
+                ca_load[name] += 1
+            else:
+                for n in names:  # time-driven states (the aggregator's tick)
+                    rec = follower.workers[n]
+                    if rec.metrics is not None and rec.state != state_of(n):
+                        update(n, rec.metrics, rec.metrics_at, state_of(n))
+                facts = core.facts(body)
+                d, facts = core.decide(facts)
+                name = d.worker
+                core.on_routed(rid, facts, name)
+            ids = tokenizer.apply_chat_template(msgs)
+            measured = s.start_s >= warmup_s
+            info[rid] = {"sent": now, "session": s, "turn": turn, "worker": name, "measured": measured,
+                         "out": [], "n_prompt": len(ids)}
+            res.per_worker[name] += 1
+            if measured:
+                res.first_send = min(res.first_send, now)
+            at(now + k.net_s, "submit", (name, rid, ids, s.turns[turn].max_tokens))
+        elif kind == "submit":
+            name, rid, ids, mx = p
+            info[rid]["req"] = ws[name].engine.submit(rid, ids, mx, now)
+            kick(ws[name])
+        elif kind == "complete":
+            name, batch = p
+            w = ws[name]
+            w.busy = False
+            for out in w.engine.complete(batch, now):
+                r = info[out.rid]
+                if out.token_id is not None:
+                    r["out"].append(out.token_id)
+                if out.index == 0 and "ttft" not in r:
+                    r["ttft"] = now + k.net_s - r["sent"]
+                    at(now + k.net_s, "first", out.rid)
+                if out.finished:
+                    at(now + k.net_s, "done", out.rid)
+            kick(w)
+        elif kind == "first":
+            core.ledger.on_first_token(p)
+        elif kind == "done":
+            rid = p
+            r = info.pop(rid)
+            core.ledger.on_finished(rid)
+            if pol is not None:
+                ca_load[r["worker"]] -= 1
+            req = r.get("req")
+            s, turn = r["session"], r["turn"]
+            replies[s.sid].append(tokenizer.decode(r["out"]).strip())
+            if r["measured"]:
+                res.requests += 1
+                res.ttft.append(r.get("ttft", now - r["sent"]))
+                res.e2e.append(now - r["sent"])
+                res.last_end = max(res.last_end, now)
+                res.prompt += r["n_prompt"]
+                res.cached += req.cached_tokens if req is not None else 0
+            if turn + 1 < len(s.turns):
+                at(now + s.turns[turn + 1].gap_s, "arrive", (s, turn + 1))
+        elif kind == "report":
+            name, rep, produced = p
+            ws[name].last_report_at = produced
+            m = rep.as_dict()  # the worker actor converts token counts to pages
+            m["kv_active_blocks"] = -(-m["kv_active_blocks"] // cfg.page_size)
+            m["kv_total_blocks"] = -(-m["kv_total_blocks"] // cfg.page_size)
+            update(name, m, produced, "live")
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", default="shared_prefix", choices=sorted(PARAMS))
+    ap.add_argument("--rates", default="12,24,30")
+    ap.add_argument("--duration", type=float, default=60.0, help="arrival window, simulated seconds")
+    ap.add_argument("--warmup", type=float, default=5.0, help="sessions starting earlier are not measured")
+    ap.add_argument("--policies", default="kv_aware,cache_aware,round_robin,least_loaded")
+    ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--kv", action="append", default=[], metavar="KNOB=VALUE",
+                    help="a kv_aware knob for every kv_aware run, e.g. --kv tolerance=0.5")
+    ns = ap.parse_args()
+    kv = {a.split("=", 1)[0]: float(a.split("=", 1)[1]) for a in ns.kv}
+    print(f"# routesim: {ns.workload}, {ns.duration:.0f} s window (warm-up {ns.warmup:.0f} s), "
+          f"engine {ENGINE}, kv_aware overrides {kv or 'none'}\n")
+    print("| policy | rate | req/s | TTFT p50 ms | p99 ms | E2E p50 ms | hit % | spread |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for rate in [float(x) for x in ns.rates.split(",")]:
+        for pol in ns.policies.split(","):
+            t0 = time.perf_counter()
+            rows = [run(ns.workload, rate, ns.duration, pol, seed=s + 1, kv_aware=kv, warmup_s=ns.warmup).summary()
+                    for s in range(ns.seeds)]
+            m = {key: statistics.mean(r[key] for r in rows) for key in rows[0]}
+            print(f"| {pol} | {rate:g} | {m['req/s']:.1f} | {m['ttft_p50_ms']:.0f} | {m['ttft_p99_ms']:.0f} | "
+                  f"{m['e2e_p50_ms']:.0f} | {m['hit'] * 100:.0f} | {m['spread']:.2f} |"
+                  f"  <!-- {time.perf_counter() - t0:.1f} s -->")
+            sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
