@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -24,8 +24,10 @@ class RouterConfig(BaseModel):
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="request bodies above are refused (413)")
     max_header_bytes: int = Field(64 * 1024, gt=0, description="requests with larger headers are refused (431)")
     block_size: int = Field(16, ge=1, description="prefix-index block size in tokens (= engines' page_size for exact mode)")
-    tokenizer: Literal["none", "sim"] = Field(
-        "none", description="tokenize prompts like the engine: enables exact prefix mode from KV events"
+    tokenizer: str = Field(
+        "none",
+        description="tokenize prompts like the engine, for exact prefix mode from KV events: "
+        "none | sim | hf:<dir with the model's tokenizer.json and chat template>",
     )
     upstream_connect_timeout_s: float = Field(2.0, gt=0)
     upstream_read_timeout_s: float = Field(600.0, gt=0, description="per-chunk read timeout upstream")
@@ -51,6 +53,14 @@ class RouterConfig(BaseModel):
         if unknown:
             raise ValueError(f"unknown kv_aware knob(s) {unknown}; valid: {sorted(known)}")
         KvAwareConfig(**v)  # a bad value raises ValueError naming the knob
+        return v
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_loads(cls, v: str) -> str:
+        from serve_app.prompt_tokens import load_tokenizer
+
+        load_tokenizer(v)  # TokenizerError (a ValueError) names the missing file or bad template
         return v
 
     @field_validator("policy")

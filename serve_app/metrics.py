@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from serve_app.breaker import STATE_CODE
@@ -48,7 +48,10 @@ class _FleetCollector(Collector):
         snap.add_metric([], -1.0 if age is None else age)
         up = GaugeMetricFamily("kvroute_aggregator_reachable", "1 if the last long poll succeeded")
         up.add_metric([], 1.0 if self.core.follower.connected else 0.0)
-        yield from (running, waiting, kv, inflight, state, breaker, snap, up)
+        tok = CounterMetricFamily("kvroute_tokenize_failures", "Prompts the configured tokenizer or chat "
+                                  "template refused (routed with approximate prefix affinity)")
+        tok.add_metric([], self.core.tokenize_failures)
+        yield from (running, waiting, kv, inflight, state, breaker, snap, up, tok)
 
 
 class RouterMetrics:

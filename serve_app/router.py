@@ -18,6 +18,7 @@ from serve_app.policies import POLICIES, Decision, RouteRequest, WorkerView, get
 from serve_app.policies.fleet import FleetView
 from serve_app.kv_follower import KvFollower
 from serve_app.prefix_index import KvEventIndex, PrefixIndex
+from serve_app.prompt_tokens import body_token_ids, load_tokenizer
 from serve_app.request_facts import FactsConfig, facts_from_body
 
 
@@ -59,6 +60,8 @@ class RouterCore:
         self.exact = KvEventIndex(config.block_size)
         self.kv_follower: KvFollower | None = None  # set by the Serve shell (needs Ray handles)
         self.facts_config = FactsConfig(block_tokens=config.block_size)
+        self.tokenizer = load_tokenizer(config.tokenizer)  # TokenizerError at start, not per request
+        self.tokenize_failures = 0
         self.default_policy = config.policy
         get_policy(self.default_policy)  # unknown default → error at start, not per request
         self._policies = {name: get_policy(name) for name in POLICIES}
@@ -130,24 +133,13 @@ class RouterCore:
 
     def facts(self, body: Any) -> RouteRequest:
         """Routing facts of an OpenAI/SGLang body. Raises InvalidRequestBody (→ 400)."""
-        ids = self._tokenize(body) if self.config.tokenizer != "none" else None
+        ids = None
+        if self.tokenizer is not None:
+            ids = body_token_ids(self.tokenizer, body)
+            if ids is None and _has_text_prompt(body):
+                # the template refused this body (or it is malformed): approximate for this one
+                self.tokenize_failures += 1
         return facts_from_body(body, config=self.facts_config, token_ids=ids)
-
-    def _tokenize(self, body: Any) -> list[int] | None:
-        """The prompt's token ids as the engine sees them (exact mode); None when not derivable."""
-        from sim import tokenizer  # the only tokenizer offered so far: the simulator's
-
-        if not isinstance(body, dict):
-            return None
-        try:
-            if isinstance(body.get("messages"), list):
-                return list(tokenizer.apply_chat_template(body["messages"]))
-            for key in ("prompt", "text"):
-                if isinstance(body.get(key), str):
-                    return tokenizer.encode(body[key], add_bos=True)
-        except Exception:  # malformed content: facts_from_body reports it precisely
-            return None
-        return None
 
     def policy(self, name: str | None) -> Any:
         name = name or self.default_policy
@@ -228,3 +220,9 @@ class RouterCore:
             "replica": self.replica_id,
             "default_policy": self.default_policy,
         }
+
+
+def _has_text_prompt(body: Any) -> bool:
+    return isinstance(body, dict) and (
+        isinstance(body.get("messages"), list) or any(isinstance(body.get(k), str) for k in ("prompt", "text"))
+    )

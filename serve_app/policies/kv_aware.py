@@ -206,7 +206,6 @@ class KvAware:
             rows = [self.row(w, B) for w in workers]
             scale = self._scales(rows)
             names = [w.name for w in workers]
-        kp = k * P
         out: list[float] = []
         apos: list[int] = []
         aov: list[int] = []
