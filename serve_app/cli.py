@@ -156,6 +156,10 @@ def _router_config(ns: argparse.Namespace) -> RouterConfig:
         cfg["admin_key"] = ns.admin_key
     if getattr(ns, "max_body_bytes", None):
         cfg["max_body_bytes"] = ns.max_body_bytes
+    if getattr(ns, "tokenizer", None):
+        cfg["tokenizer"] = ns.tokenizer
+    if getattr(ns, "block_size", None):
+        cfg["block_size"] = ns.block_size
     return RouterConfig.model_validate(cfg).with_env()
 
 
@@ -315,6 +319,10 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (env KVROUTE_API_KEY)")
         sp.add_argument("--admin-key", default=None, help="enables /admin fleet changes (env KVROUTE_ADMIN_KEY)")
         sp.add_argument("--max-body-bytes", type=int, default=None, help="refuse larger request bodies (413)")
+        sp.add_argument("--tokenizer", default=None,
+                        help="exact prefix mode from KV events: sim | hf:<model dir> (default none)")
+        sp.add_argument("--block-size", type=int, default=None,
+                        help="prefix blocks in tokens; the engines' --page-size for exact mode (default 16)")
         sp.add_argument("-v", "--verbose", action="store_true")
 
     d = sub.add_parser("demo", help="local Ray + N simulated SGLang workers + the router")
