@@ -73,10 +73,18 @@ class RouteRequest:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
+    """The chosen worker. `why` is the reason as text, or as (format, *args) formatted only when
+    `reason` is read (/route, debug logs): formatting floats costs more than a small decision."""
+
     worker: str
     url: str
     policy: str
-    reason: str
+    why: str | tuple = ""
+
+    @property
+    def reason(self) -> str:
+        why = self.why
+        return why if isinstance(why, str) else why[0].format(*why[1:])
 
 
 class NoWorkerAvailable(RuntimeError):

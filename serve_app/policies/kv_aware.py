@@ -161,10 +161,8 @@ class KvAware:
             if ties:
                 i = ties[0] if len(ties) == 1 else rng.choice(ties)
                 w = workers[i]
-                return Decision(
-                    w.name, w.url, self.name,
-                    f"overlap={pick_o}/{P} blocks, cost={float(cost[i]):.1f} (min {best:.1f})",
-                )
+                return Decision(w.name, w.url, self.name,
+                                ("overlap={}/{} blocks, cost={:.1f} (min {:.1f})", pick_o, P, float(cost[i]), best))
         lim = best + _EPS
         if vec:
             mins = np.flatnonzero(cost <= lim).tolist()
@@ -173,11 +171,9 @@ class KvAware:
         i = mins[0] if len(mins) == 1 else rng.choice(mins)
         w = workers[i]
         o = min(request.overlap.get(w.name, 0), P) if request.overlap else 0
-        return Decision(
-            w.name, w.url, self.name,
-            f"overlap={o}/{P} blocks, cost={best:.1f} = min of {len(workers)}"
-            + (f" ({len(mins)} tied)" if len(mins) > 1 else ""),
-        )
+        return Decision(w.name, w.url, self.name,
+                        ("overlap={}/{} blocks, cost={:.1f} = min of {}{}", o, P, best, len(workers),
+                         f" ({len(mins)} tied)" if len(mins) > 1 else ""))
 
     def _score(self, request: RouteRequest, workers: Sequence[WorkerView]) -> tuple[Any, Any, Any]:
         """(cost per position in `workers`, inf for down ones; positions of affine workers; their

@@ -26,6 +26,4 @@ class LeastLoaded:
         for w in routable(workers):
             best.add(load_of(w), w)
         pick = best.items[0] if len(best.items) == 1 else rng.choice(best.items)
-        return Decision(
-            pick.name, pick.url, self.name, f"load={best.best:.3f} among {len(best.items)} tied"
-        )
+        return Decision(pick.name, pick.url, self.name, ("load={:.3f} among {} tied", best.best, len(best.items)))

@@ -26,7 +26,5 @@ class PowerOfTwo:
         else:
             pick = a if la < lb else b
         other = b if pick is a else a
-        return Decision(
-            pick.name, pick.url, self.name,
-            f"load={min(la, lb):.3f} vs {other.name}={max(la, lb):.3f}",
-        )
+        return Decision(pick.name, pick.url, self.name,
+                        ("load={:.3f} vs {}={:.3f}", min(la, lb), other.name, max(la, lb)))
