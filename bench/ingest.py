@@ -34,16 +34,40 @@ VALUES = dict(
 )
 
 
+DISTINCT_FRAMES = 4096  # the sender cycles this many different reports (no per-bytes caching can win)
+
+
+def _varied_values(count: int = DISTINCT_FRAMES, seed: int = 1) -> list[dict]:
+    """Reports as a loaded scheduler sends them: slots and token counts of several server sizes
+    (BININT1/BININT2/BININT values), usage consistent with the counts, hit rates from decode 0.0
+    to prefill batches, a few DP ranks."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        slots = rng.choice((48, 64, 256, 1024))
+        tokens = rng.choice((160_000, 500_000, 1_200_000, 3_000_000))
+        used = rng.randrange(tokens + 1)
+        out.append(dict(
+            request_active_slots=rng.randrange(slots + 1), request_total_slots=slots,
+            kv_active_blocks=used, kv_total_blocks=tokens, num_requests_waiting=rng.choice((0, rng.randrange(1000))),
+            gpu_cache_usage_perc=used / tokens, gpu_prefix_cache_hit_rate=rng.choice((0.0, rng.random())),
+            data_parallel_rank=rng.randrange(4),
+        ))
+    return out
+
+
 def _sender(endpoint: str, n: int, form: str) -> None:
     from sim.sglang_shapes import encode_kv_metrics
 
-    frame = encode_kv_metrics(form, **VALUES)
+    frames = [encode_kv_metrics(form, **v) for v in _varied_values()]
     ctx = zmq.Context()
     s = ctx.socket(zmq.PUSH)
     s.setsockopt(zmq.SNDHWM, 0)
     s.connect(endpoint)
-    for _ in range(n):
-        s.send(frame, copy=False)
+    for i in range(n):
+        s.send(frames[i % len(frames)], copy=False)
     s.close(linger=-1)
     ctx.term()
 
@@ -51,6 +75,7 @@ def _sender(endpoint: str, n: int, form: str) -> None:
 def _receive(endpoint: str, n: int, form: str, decode: bool) -> float:
     from actors.ingest import MetricsBook
 
+    expected = _varied_values()
     ctx = zmq.Context()
     s = ctx.socket(zmq.PULL)
     s.setsockopt(zmq.RCVHWM, 0)
@@ -63,7 +88,6 @@ def _receive(endpoint: str, n: int, form: str, decode: bool) -> float:
     if decode:
         for _ in range(n - 1):
             book.ingest(s.recv())
-        assert book.stats.frames_accepted == n - 1
     else:
         for _ in range(n - 1):
             s.recv()
@@ -71,6 +95,13 @@ def _receive(endpoint: str, n: int, form: str, decode: bool) -> float:
     p.join()
     s.close(linger=0)
     ctx.term()
+    if decode:  # every frame accepted, and the values kept are the ones last sent per rank
+        assert book.stats.frames_accepted == n - 1, book.stats.as_dict()
+        last: dict[int, dict] = {}
+        for i in range(n):
+            v = expected[i % len(expected)]
+            last[v["data_parallel_rank"]] = v
+        assert {r: m.model_dump() for r, m in book.latest().items()} == last
     return (n - 1) / dt
 
 
