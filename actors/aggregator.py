@@ -30,12 +30,14 @@ class Aggregator:
         self._ticker = asyncio.get_running_loop().create_task(self._tick_loop())
         logger.info("aggregator up, epoch %s", self._registry.epoch)
 
+    @ray.method(enable_task_events=False)  # hot path: skip Ray's per-call task events
     async def report(self, batch: dict[str, Any]) -> str:
         """One worker actor's batched report. Returns the registry epoch."""
         if self._registry.report(batch):
             self._notify()
         return self._registry.epoch
 
+    @ray.method(enable_task_events=False)  # hot path: skip Ray's per-call task events
     async def report_in_flight(self, replica: str, counts: dict[str, int]) -> str:
         if self._registry.report_in_flight(replica, counts):
             self._notify()
@@ -48,6 +50,7 @@ class Aggregator:
             self._notify()
         return removed
 
+    @ray.method(enable_task_events=False)  # hot path: skip Ray's per-call task events
     async def snapshot(
         self, since_version: int = 0, epoch: str | None = None, timeout_s: float = 5.0
     ) -> dict[str, Any]:
@@ -65,6 +68,7 @@ class Aggregator:
     async def names(self) -> list[str]:
         return self._registry.names()
 
+    @ray.method(enable_task_events=False)  # hot path: skip Ray's per-call task events
     async def ping(self) -> str:
         return self._registry.epoch
 

@@ -48,6 +48,7 @@ class FleetRegistry:
         self._workers: dict[str, _Worker] = {}
         self._removed_at: dict[str, int] = {}
         self._in_flight: dict[str, tuple[float, dict[str, int]]] = {}  # router replica → counts
+        self._next_due = float("inf")  # earliest moment a worker's state can change by time alone
 
     # --- writes -------------------------------------------------------------------------------
 
@@ -92,6 +93,7 @@ class FleetRegistry:
         changed |= self._rederive(w, now)
         if changed:
             self._bump(w)
+        self._next_due = min(self._next_due, self._due(w, now))
         return changed
 
     def remove(self, name: str) -> bool:
@@ -117,10 +119,14 @@ class FleetRegistry:
         """Re-derive time-driven states (idle after silence, down after lost heartbeats)."""
         now = self.clock()
         changed = False
-        for w in self._workers.values():
-            if self._rederive(w, now):
-                self._bump(w)
-                changed = True
+        if now >= self._next_due:  # else no threshold can have passed: skip the O(workers) pass
+            due = float("inf")
+            for w in self._workers.values():
+                if self._rederive(w, now):
+                    self._bump(w)
+                    changed = True
+                due = min(due, self._due(w, now))
+            self._next_due = due
         expiry = self.settings.down_after_s * 2
         for replica, (at, counts) in list(self._in_flight.items()):
             if now - at > expiry:
@@ -182,6 +188,20 @@ class FleetRegistry:
         if not w.ranks:
             return None
         return now - max(r.received_at for r in w.ranks.values())
+
+    def _due(self, w: _Worker, now: float) -> float:
+        """When `w`'s derived state can next change without a report: its heartbeat reaching
+        `down_after_s` or its newest metrics reaching `idle_after_s` (thresholds already passed
+        are reflected in its state)."""
+        s = self.settings
+        due = w.heartbeat_at + s.down_after_s
+        if due < now:
+            due = float("inf")
+        if w.ranks:
+            idle = max(r.received_at for r in w.ranks.values()) + s.idle_after_s
+            if now <= idle < due:
+                due = idle
+        return due
 
     def _rederive(self, w: _Worker, now: float) -> bool:
         state = derive_state(

@@ -203,3 +203,55 @@ def test_healthz_reports_the_snapshot_age(fleet_env):
     assert h["status"] == "ok"
     assert h["snapshot_age_s"] is not None and h["snapshot_age_s"] < 10
     assert h["workers"].get("down", 0) == 0
+
+
+def test_health_probe_reads_http10_and_kept_alive_http11_answers():
+    """The worker actor's raw-stream /health probe (no Ray needed)."""
+    import asyncio
+
+    from actors.worker_actor import HealthProbe, ProbeError
+
+    async def main():
+        probe = HealthProbe(0.5)
+        h = HealthServer()  # HTTP/1.0: one connection per probe
+        assert await probe.status(h.url) == 200
+        h.healthy = False
+        assert await probe.status(h.url) == 503
+        h.close()
+        with pytest.raises(ProbeError):
+            await probe.status(h.url)
+
+        conns = []
+
+        async def handle(reader, writer):  # HTTP/1.1 keep-alive, chunked then sized bodies
+            conns.append(writer)
+            n = 0
+            while True:
+                try:
+                    await reader.readuntil(b"\r\n\r\n")
+                except Exception:
+                    break
+                n += 1
+                writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n" if n % 2
+                             else b"HTTP/1.1 503 Busy\r\ncontent-length: 4\r\n\r\nbusy")
+                await writer.drain()
+            writer.close()
+
+        srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+        assert [await probe.status(url) for _ in range(4)] == [200, 503, 200, 503]
+        assert len(conns) == 1  # one connection kept alive
+        conns[0].close()  # the server drops the idle connection: the next probe reconnects
+        assert await probe.status(url) == 200
+        srv.close()
+
+        async def silent(reader, writer):  # a hung worker (SIGSTOP): accepts, never answers
+            await asyncio.sleep(5)
+
+        hung = await asyncio.start_server(silent, "127.0.0.1", 0)
+        with pytest.raises(asyncio.TimeoutError):
+            await probe.status(f"http://127.0.0.1:{hung.sockets[0].getsockname()[1]}")
+        hung.close()
+        await probe.aclose()
+
+    asyncio.run(main())

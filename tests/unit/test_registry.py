@@ -149,3 +149,34 @@ def test_router_in_flight_counts_are_shared_and_expire():
     reg.report(batch("a"))
     reg.tick()
     assert reg.delta(0, None)["workers"][0]["in_flight_by_replica"] == {}
+
+
+def test_tick_skips_the_scan_until_a_threshold_is_due_and_still_walks_live_idle_down():
+    clock = Clock()
+    reg = FleetRegistry(S, clock=clock)
+    reg.report(batch("a", ranks={0: rank(1)}))
+    reg.report(batch("b"))
+    scans = []
+    orig = reg._rederive
+    reg._rederive = lambda w, now: scans.append(w.name) or orig(w, now)
+    clock.t += 0.1
+    assert not reg.tick() and scans == []  # nothing due: no per-worker work
+    clock.t += S.idle_after_s  # a's metrics go stale, but heartbeats (down_after_s) went first
+    assert reg.tick()
+    states = {w["name"]: w["state"] for w in reg.delta(0, None)["workers"]}
+    assert states == {"a": "down", "b": "down"}
+    scans.clear()
+    clock.t += 10
+    assert not reg.tick() and scans == []  # down stays down: nothing left to re-derive by time
+
+
+def test_tick_turns_a_live_worker_idle_exactly_after_idle_after_s():
+    clock = Clock()
+    s = Settings(idle_after_s=1.0, down_after_s=5.0)
+    reg = FleetRegistry(s, clock=clock)
+    reg.report(batch(ranks={0: rank(1)}))
+    clock.t += 0.99
+    assert not reg.tick()
+    clock.t += 0.02
+    assert reg.tick()
+    assert reg.delta(0, None)["workers"][0]["state"] == "idle"
