@@ -121,7 +121,55 @@ def bench_decode(frames: int, rounds: int) -> list[dict]:
     return rows
 
 
-def bench_freshness(n_emitters: int, seconds: float, period_s: float) -> dict:
+def _proc_group(p) -> str:
+    try:
+        cmd = p.cmdline()
+    except Exception:
+        return "?"
+    if not cmd:
+        return p.name()
+    head = cmd[0]
+    if head.startswith("ray::"):
+        g = head.split()[0]
+        for k in ("WorkerActor", "Aggregator", "ServeReplica", "ProxyActor", "ServeController"):
+            if k in g:
+                return "ray::" + k
+        return g[:40]
+    base = os.path.basename(head)
+    if "python" in base and len(cmd) > 1:
+        for a in cmd[1:4]:
+            if "bench.ingest" in a:
+                return "bench driver"
+            if a.endswith(".py"):
+                return os.path.basename(a)
+        return base
+    return base[:40]
+
+
+def _cpu_times() -> dict[int, tuple[str, float]]:
+    import psutil
+
+    out = {}
+    for p in psutil.process_iter():
+        try:
+            t = p.cpu_times()
+            out[p.pid] = (_proc_group(p), t.user + t.system)
+        except Exception:
+            pass
+    return out
+
+
+def _cpu_by_group(a: dict, b: dict, dt: float) -> dict[str, tuple[int, float]]:
+    """% of one core per process group between two samples, and how many processes."""
+    groups: dict[str, list[float]] = {}
+    for pid, (g, t) in b.items():
+        t0 = a.get(pid, (g, 0.0))[1] if pid in a else 0.0
+        groups.setdefault(g, []).append(max(0.0, t - t0))
+    return {g: (len(v), 100 * sum(v) / dt) for g, v in groups.items()}
+
+
+def bench_freshness(n_emitters: int, seconds: float, period_s: float, poll_s: float = 0.01, cpu: bool = False,
+                    idle_s: float = 0.0) -> dict:
     import httpx
     import ray
     from ray import serve
@@ -174,9 +222,17 @@ def bench_freshness(n_emitters: int, seconds: float, period_s: float) -> dict:
             time.sleep(max(0.0, nxt - time.monotonic()))
 
     t = threading.Thread(target=emit, daemon=True)
+    cpu_idle = cpu_load = None
     time.sleep(0.5)
+    if idle_s > 0 and cpu:  # the fleet registered, nothing emitted: background cost only
+        c0, t0 = _cpu_times(), time.monotonic()
+        time.sleep(idle_s)
+        cpu_idle = _cpu_by_group(c0, _cpu_times(), time.monotonic() - t0)
     t.start()
     seen: dict[tuple[int, int], float] = {}
+    time.sleep(min(1.0, seconds / 4))
+    if cpu:
+        c0, t0 = _cpu_times(), time.monotonic()
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         for w in client.get("/workers").json()["workers"]:
@@ -184,7 +240,9 @@ def bench_freshness(n_emitters: int, seconds: float, period_s: float) -> dict:
             k = (w["metrics"] or {}).get("request_active_slots")
             if k and (i, k) not in seen:
                 seen[(i, k)] = w["updated_at"]
-        time.sleep(0.01)
+        time.sleep(poll_s)
+    if cpu:
+        cpu_load = _cpu_by_group(c0, _cpu_times(), time.monotonic() - t0)
     stop.set()
     t.join()
     lat = sorted((seen[key] - sent[key]) * 1000 for key in seen if key in sent and key[1] > 1)
@@ -192,14 +250,16 @@ def bench_freshness(n_emitters: int, seconds: float, period_s: float) -> dict:
         s.close(linger=0)
     client.close()
     serve.delete(f"fresh{n_emitters}")
-    ray.get([a.stop.remote() for a in actors])
+    ray.wait([a.stop.remote() for a in actors], num_returns=len(actors), timeout=15)
     for a in actors:
         ray.kill(a, no_restart=True)
     kill_aggregator()
     health.close()
     shutil.rmtree(tmp, ignore_errors=True)
     q = statistics.quantiles(lat, n=100) if len(lat) >= 2 else [float("nan")] * 99
-    return {"emitters": n_emitters, "samples": len(lat), "p50": q[49], "p99": q[98], "max": max(lat) if lat else float("nan")}
+
+    return {"emitters": n_emitters, "samples": len(lat), "p50": q[49], "p99": q[98], "max": max(lat) if lat else float("nan"),
+            "cpu_idle": cpu_idle, "cpu_load": cpu_load}
 
 
 BENCH_PORT = 18765
@@ -212,6 +272,8 @@ def main() -> int:
     ap.add_argument("--emitters", type=int, nargs="*", default=[8, 64])
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--period", type=float, default=0.25, help="seconds between two sends of one emitter")
+    ap.add_argument("--poll", type=float, default=0.05, help="seconds between two GET /workers of the bench (each value stays 1 period)")
+    ap.add_argument("--cpu", action="store_true", help="CPU per process group, idle and under load")
     ns = ap.parse_args()
 
     print(f"# kvroute ingest benchmark\n\nmachine: {platform.platform()}, {os.cpu_count()} cores, Python {sys.version.split()[0]}")
@@ -232,8 +294,14 @@ def main() -> int:
         print("| emitters | samples | p50 ms | p99 ms | max ms |")
         print("|---:|---:|---:|---:|---:|")
         for n in ns.emitters:
-            f = bench_freshness(n, ns.seconds, ns.period)
+            f = bench_freshness(n, ns.seconds, ns.period, ns.poll, ns.cpu, idle_s=3.0 if ns.cpu else 0.0)
             print(f"| {f['emitters']} | {f['samples']} | {f['p50']:.1f} | {f['p99']:.1f} | {f['max']:.1f} |")
+            for label in ("cpu_idle", "cpu_load"):
+                if f[label]:
+                    tot = sum(c for _, c in f[label].values())
+                    print(f"    {label} total {tot:.0f}% of a core:")
+                    for g, (np_, c) in sorted(f[label].items(), key=lambda x: -x[1][1])[:12]:
+                        print(f"      {g:32s} x{np_:<3d} {c:6.1f}%")
             sys.stdout.flush()
         serve.shutdown()
         ray.shutdown()
