@@ -11,7 +11,6 @@ import socket
 import time
 import uuid
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 import ray
@@ -89,121 +88,6 @@ def bind_pull(ctx: zmq.asyncio.Context, name: str, endpoint: str, max_frame_byte
     return sock
 
 
-class ProbeError(Exception):
-    """The /health answer could not be read (refused, reset, malformed)."""
-
-
-class HealthProbe:
-    """`GET {url}/health` over one kept-alive HTTP/1.1 connection on raw asyncio streams.
-
-    One probe per second per worker: through httpx (anyio, a new connection whenever the server
-    does not keep it alive) that cost ~2 ms of CPU each, the largest share of an idle worker
-    actor's time once 64 of them share a node. Here it is a few hundred µs. https falls back to
-    httpx. Raises asyncio.TimeoutError on timeout and ProbeError otherwise.
-    """
-
-    _MAX_BODY = 1 << 20
-
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
-        self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
-        self._key: tuple[str, int] | None = None
-        self._httpx: httpx.AsyncClient | None = None
-
-    async def status(self, url: str) -> int:
-        parts = urlsplit(url)
-        if parts.scheme != "http":
-            if self._httpx is None:
-                self._httpx = httpx.AsyncClient(timeout=self.timeout_s)
-            try:
-                return (await self._httpx.get(f"{url}/health")).status_code
-            except httpx.TimeoutException:
-                raise asyncio.TimeoutError from None
-            except httpx.HTTPError as exc:
-                raise ProbeError(type(exc).__name__) from None
-        host, port = parts.hostname or "127.0.0.1", parts.port or 80
-        path = (parts.path.rstrip("/") or "") + "/health"
-        req = f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nAccept: */*\r\n\r\n".encode()
-        try:
-            return await asyncio.wait_for(self._exchange((host, port), req), self.timeout_s)
-        except asyncio.TimeoutError:
-            self.close()
-            raise
-
-    async def _exchange(self, key: tuple[str, int], req: bytes) -> int:
-        reused = self._conn is not None and self._key == key
-        try:
-            return await self._once(key, req)
-        except (OSError, asyncio.IncompleteReadError, ProbeError) as exc:
-            self.close()
-            if reused and not isinstance(exc, ProbeError):  # the server dropped an idle keep-alive
-                try:
-                    return await self._once(key, req)
-                except (OSError, asyncio.IncompleteReadError, ProbeError) as exc2:
-                    self.close()
-                    raise ProbeError(type(exc2).__name__) from None
-            raise ProbeError(type(exc).__name__) from None
-
-    async def _once(self, key: tuple[str, int], req: bytes) -> int:
-        if self._conn is None or self._key != key:
-            self.close()
-            self._conn = await asyncio.open_connection(*key)
-            self._key = key
-        reader, writer = self._conn
-        writer.write(req)
-        await writer.drain()
-        line = await reader.readuntil(b"\r\n")
-        try:
-            version, code = line.split(None, 2)[:2]
-            status = int(code)
-        except ValueError:
-            raise ProbeError("malformed status line") from None
-        keep = version == b"HTTP/1.1"
-        length: int | None = None
-        chunked = False
-        while True:
-            h = await reader.readuntil(b"\r\n")
-            if h == b"\r\n":
-                break
-            name, _, value = h.partition(b":")
-            name, value = name.strip().lower(), value.strip().lower()
-            if name == b"content-length":
-                length = int(value)
-            elif name == b"transfer-encoding":
-                chunked = b"chunked" in value
-            elif name == b"connection":
-                keep = b"close" not in value if version == b"HTTP/1.1" else b"keep-alive" in value
-        if chunked:
-            total = 0
-            while True:
-                size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-                total += size
-                if total > self._MAX_BODY:
-                    raise ProbeError("body too large")
-                await reader.readexactly(size + 2)
-                if size == 0:
-                    break
-        elif length is not None:
-            if length > self._MAX_BODY:
-                raise ProbeError("body too large")
-            await reader.readexactly(length)
-        elif status not in (204, 304) and 100 <= status:
-            keep = False  # body runs until the server closes; we only need the status
-        if not keep:
-            self.close()
-        return status
-
-    def close(self) -> None:
-        if self._conn is not None:
-            self._conn[1].close()
-        self._conn = None
-
-    async def aclose(self) -> None:
-        self.close()
-        if self._httpx is not None:
-            await self._httpx.aclose()
-
-
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
 class WorkerActor:
     """Metrics, liveness and (managed mode) the process of one SGLang worker."""
@@ -238,7 +122,8 @@ class WorkerActor:
         self.last_push_latency_ms: float | None = None
         self._ctx = zmq.asyncio.Context()
         self._sock = bind_pull(self._ctx, self.name, self.endpoint, self.settings.max_frame_bytes)
-        self._probe_http = HealthProbe(self.settings.health_timeout_s)
+        # one pooled client: SGLang's server keeps the connection alive, so a probe is one request
+        self._http = httpx.AsyncClient(timeout=self.settings.health_timeout_s)
         loop = asyncio.get_running_loop()
         self.proc: ManagedProcess | None = None
         self._launch: asyncio.Task | None = None
@@ -347,7 +232,7 @@ class WorkerActor:
                 await asyncio.wait_for(self._agg.remove.remote(self.name), timeout=0.5)
             except Exception:  # best effort: the aggregator may be gone already
                 pass
-        await self._probe_http.aclose()
+        await self._http.aclose()
         self._ctx.term()
         logger.info("worker %s: stopped", self.name)
 
@@ -531,15 +416,15 @@ class WorkerActor:
             self._set_health(False, "no url yet")
             return
         try:
-            code = await self._probe_http.status(self.url)
-        except asyncio.TimeoutError:
+            code = (await self._http.get(f"{self.url}/health")).status_code
+        except httpx.TimeoutException:
             self._health_timeouts += 1
             if self._health_timeouts >= self.settings.health_timeouts_before_down:
                 self._set_health(False, f"/health timed out {self._health_timeouts}x")
             return
-        except ProbeError as exc:
+        except httpx.HTTPError as exc:
             self._health_timeouts = 0
-            self._set_health(False, f"/health unreachable: {exc}")
+            self._set_health(False, f"/health unreachable: {type(exc).__name__}")
             return
         self._health_timeouts = 0
         if code == 200:
