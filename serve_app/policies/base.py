@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Mapping, Protocol, Sequence
+from typing import Mapping, NamedTuple, Protocol, Sequence
 
 _NO_OVERLAP: Mapping[str, int] = MappingProxyType({})
 
@@ -71,10 +71,10 @@ class RouteRequest:
         return replace(self, overlap=overlap)
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """The chosen worker. `why` is the reason as text, or as (format, *args) formatted only when
-    `reason` is read (/route, debug logs): formatting floats costs more than a small decision."""
+class Decision(NamedTuple):
+    """The chosen worker (a NamedTuple: built once per request, in C). `why` is the reason as text,
+    or as (format, *args) formatted only when `reason` is read (/route, debug logs): formatting
+    floats costs more than a small decision."""
 
     worker: str
     url: str

@@ -151,13 +151,21 @@ class KvAware:
                     cmin = ca[cand].min()
                     ties = sorted(apos[cand & (ca <= cmin + _EPS)].tolist())
                     pick_o = int(omax)
-            else:
-                near_l = [(o, cost[i], i) for i, o in zip(apos, aov) if cost[i] <= limit]
-                ties = []
-                if near_l:
-                    pick_o = max(o for o, _, _ in near_l)
-                    cmin = min(c for o, c, _ in near_l if o == pick_o)
-                    ties = sorted(i for o, c, i in near_l if o == pick_o and c <= cmin + _EPS)
+            else:  # one plain pass (affine workers are few; generators cost more than the work)
+                pick_o = -1
+                cmin = _INF
+                cand: list[int] = []
+                for i, o in zip(apos, aov):
+                    c = cost[i]
+                    if c > limit or o < pick_o:
+                        continue
+                    if o > pick_o:
+                        pick_o, cmin, cand = o, c, [i]
+                    else:
+                        cand.append(i)
+                        if c < cmin:
+                            cmin = c
+                ties = cand if len(cand) < 2 else sorted(i for i in cand if cost[i] <= cmin + _EPS)
             if ties:
                 i = ties[0] if len(ties) == 1 else rng.choice(ties)
                 w = workers[i]
