@@ -102,8 +102,10 @@ class PrefixIndex:
 
     It also keeps, per worker, the *hot* blocks: those sent to that worker at least twice (reused
     while held, e.g. a shared system prompt or a conversation's history — not a prompt's unique
-    tail). `hot_blocks(worker)` is what a new prompt would push out of that worker's cache first;
-    kv_aware prices that eviction. `take_changed()` names the workers whose count moved.
+    tail) and reused within the last `hot_window_s` (a finished conversation stops being worth
+    keeping long before its entries expire). `hot_blocks(worker)` is what a new prompt would push
+    out of that worker's cache at a cost; kv_aware prices that eviction. `take_changed()` names
+    the workers whose count moved.
     """
 
     def __init__(
@@ -111,15 +113,19 @@ class PrefixIndex:
         *,
         ttl_s: float = 120.0,
         max_entries: int = 262_144,
+        hot_window_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if ttl_s <= 0 or max_entries < 1:
-            raise ValueError("PrefixIndex needs ttl_s > 0 and max_entries ≥ 1")
+        if ttl_s <= 0 or max_entries < 1 or hot_window_s <= 0:
+            raise ValueError("PrefixIndex needs ttl_s > 0, max_entries ≥ 1 and hot_window_s > 0")
         self.ttl_s = ttl_s
+        self.hot_window_s = hot_window_s
+        self._hot_swept_at = float("-inf")
         self.max_entries = max_entries
         self._clock = clock
         self._entries: OrderedDict[int, dict[str, float]] = OrderedDict()  # LRU first
-        self._hot: dict[str, set[int]] = {}  # worker → hashes it was sent twice or more
+        # worker → {hash: last reuse} of blocks it was sent twice or more, oldest reuse first
+        self._hot: dict[str, OrderedDict[int, float]] = {}
         self._changed: set[str] = set()
 
     def __len__(self) -> int:
@@ -130,10 +136,23 @@ class PrefixIndex:
         hot = self._hot.get(worker)
         return len(hot) if hot else 0
 
-    def take_changed(self) -> set[str]:
-        """Workers whose `hot_blocks` changed since the last call."""
+    def take_changed(self, now: float | None = None) -> set[str]:
+        """Workers whose `hot_blocks` changed since the last call (reuse older than
+        `hot_window_s` is let go here, at most every 0.1 s: O(workers) then)."""
+        now = self._clock() if now is None else now
+        if now - self._hot_swept_at >= 0.1:
+            self._hot_swept_at = now
+            for w, hot in self._hot.items():
+                self._cool(w, hot, now)
         c, self._changed = self._changed, set()
         return c
+
+    def _cool(self, worker: str, hot: OrderedDict[int, float], now: float) -> None:
+        cutoff = now - self.hot_window_s
+        if hot and next(iter(hot.values())) < cutoff:
+            while hot and next(iter(hot.values())) < cutoff:
+                hot.popitem(last=False)
+            self._changed.add(worker)
 
     def record(self, worker: str, block_hashes: Sequence[int], now: float | None = None) -> None:
         """`worker` was sent a prompt with these blocks: it will hold them (refreshes their use)."""
@@ -142,15 +161,20 @@ class PrefixIndex:
         move = entries.move_to_end
         hot = self._hot.get(worker)
         if hot is None:
-            hot = self._hot[worker] = set()
+            hot = self._hot[worker] = OrderedDict()
         n_hot = len(hot)
+        hot_move = hot.move_to_end
         for h in reversed(block_hashes):  # root last: it becomes the most recently used
             e = entries.get(h)
             if e is None:
                 entries[h] = {worker: now}
             else:
                 if worker in e:
-                    hot.add(h)
+                    if h in hot:
+                        hot[h] = now
+                        hot_move(h)
+                    else:
+                        hot[h] = now
                 e[worker] = now
                 move(h)
         if len(hot) != n_hot:
@@ -217,8 +241,7 @@ class PrefixIndex:
     def _forget(self, h: int, holders: dict[str, float]) -> None:
         for w in holders:
             hot = self._hot.get(w)
-            if hot and h in hot:
-                hot.discard(h)
+            if hot and hot.pop(h, None) is not None:
                 self._changed.add(w)
 
 

@@ -222,3 +222,17 @@ def test_hot_blocks_follow_lru_eviction_and_worker_removal():
     ix.record("b", chain("y", 20))
     ix.remove_worker("b")
     assert ix.hot_blocks("b") == 0 and "b" in ix.take_changed()
+
+
+def test_hot_blocks_cool_down_when_no_longer_reused():
+    clock = Clock()
+    ix = PrefixIndex(ttl_s=120, hot_window_s=10, clock=clock)
+    convo = chain("conversation", 12)
+    ix.record("a", convo)
+    ix.record("a", convo)  # the next turn: hot
+    assert ix.hot_blocks("a") == 12 and ix.take_changed() == {"a"}
+    clock.t = 9.0
+    assert ix.take_changed() == set() and ix.hot_blocks("a") == 12
+    clock.t = 10.5  # the conversation ended 10.5 s ago: still indexed, no longer hot
+    assert ix.take_changed() == {"a"} and ix.hot_blocks("a") == 0
+    assert ix.overlap(convo) == {"a": 12}
