@@ -107,7 +107,7 @@ def _check_opcodes(frame: bytes) -> None:
     """Walk the opcodes before the C unpickler sees them. Refuses any opcode SGLang's KvMetrics
     pickles never use — notably LONG_BINPUT, whose index makes the C unpickler allocate and zero a
     memo of that size (a 9-byte frame could cost GiBs), extension codes and persistent ids."""
-    i, n = 0, len(frame)
+    i = 0
     get = _ARG_BYTES.get
     try:
         while True:

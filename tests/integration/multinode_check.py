@@ -6,9 +6,7 @@ Prints one JSON line with what it observed; tests/integration/test_multinode.py 
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 import time
 
 
@@ -47,7 +45,6 @@ def main() -> None:
     try:
         head_id = ray.get_runtime_context().get_node_id()
         out["nodes"] = {"head": head_id, "a": gpu_a.node_id, "b": gpu_b.node_id}
-        tmp = tempfile.mkdtemp(prefix="kvroute-mn-")
         fleet = parse_fleet({
             "settings": {"aggregator_resources": {"kvroute_head": 1}},
             "workers": [{"name": "gpu", "engine": "sim", "replicas": 2, "host": "127.0.0.1", "page_size": 16,

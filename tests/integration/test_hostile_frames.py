@@ -499,7 +499,7 @@ def test_the_malicious_payloads_are_live_under_a_plain_unpickler(tmp_path):
 def test_a_frame_above_the_1_mib_hard_limit_drops_only_its_sender(live):
     """Above 16 × max_frame_bytes ZMQ disconnects the sending peer before the actor sees a byte:
     the actor is not hurt, the frame is not counted, and other emitters carry on."""
-    actor, name = live["actor"], live["name"]
+    actor = live["actor"]
     identity = _identity(actor)
     other = _ValidEmitter(live["endpoint"], period_s=0.005, start_at=1_000_000)
     giant = _push(live["endpoint"])

@@ -147,7 +147,7 @@ def test_killing_the_aggregator_loses_no_worker_and_route_keeps_answering(fleet_
     from actors.aggregator import AGGREGATOR_NAME, NAMESPACE
 
     c = fleet_env["client"]
-    epoch = c.get("/workers").json()["epoch"]
+    assert "epoch" in c.get("/workers").json()  # the router answers before the restart
     answers: list[int] = []
     stop = threading.Event()
 

@@ -277,7 +277,6 @@ def test_counts_beyond_int64_are_refused():
 # --- fast path: SGLang's exact pickles skip the unpickler; it must agree with the safe path -------
 
 import random  # noqa: E402
-import struct  # noqa: E402
 
 from actors import wire  # noqa: E402
 
