@@ -49,6 +49,10 @@ class LedgerConfig:
     max_request_age_s: float = 3600.0
     """A request not finished after this long is forgotten (a lost `on_finished` must not leave a
     worker looking busy forever)."""
+    followup_window_s: float = 1.0
+    """Requests that finished on a worker within this window count as `recent_finished`: a
+    conversation between turns (or a client between calls) is about to send its next request
+    there, and it would wait behind whatever cold prefill is put there now."""
 
 
 class LedgerView(NamedTuple):
@@ -61,6 +65,7 @@ class LedgerView(NamedTuple):
     remote_pending: int  # other replicas' pending requests on this worker
     finished: int = 0  # requests the last report counts that have finished since
     finished_kv_blocks: int = 0  # their KV blocks
+    recent_finished: int = 0  # requests finished within followup_window_s (follow-ups expected)
 
 
 class _Req:
@@ -78,7 +83,7 @@ class _Req:
 
 class _Worker:
     __slots__ = ("in_flight", "prefill", "kv", "pending", "pending_prefill", "pending_kv",
-                 "queue", "reported_at", "gone", "gone_n", "gone_kv")
+                 "queue", "reported_at", "gone", "gone_n", "gone_kv", "recent")
 
     def __init__(self) -> None:
         self.in_flight = 0
@@ -92,6 +97,7 @@ class _Worker:
         self.gone: deque[tuple[float, int]] = deque()  # (end time, kv) of absorbed ones that ended
         self.gone_n = 0
         self.gone_kv = 0
+        self.recent: deque[float] = deque()  # end times of requests finished lately
 
 
 class Ledger:
@@ -122,6 +128,7 @@ class Ledger:
         self._remote_sum: dict[str, int] = {}
         self._dirty: set[str] = set()
         self.forgotten = 0  # requests dropped by the age sweep (a counter for /metrics)
+        self._recent_swept_at = float("-inf")
 
     # -- the moments of a request ------------------------------------------------------------
 
@@ -164,7 +171,7 @@ class Ledger:
 
     def on_finished(self, request_id: str) -> None:
         """The response ended (completed, cancelled or errored after reaching the worker)."""
-        self._end(request_id)
+        self._end(request_id, finished=True)
 
     def on_failed(self, request_id: str) -> None:
         """The request never ran to completion on the worker (connect error, reset before the end)."""
@@ -213,9 +220,9 @@ class Ledger:
         if w is None:
             return LedgerView(0, 0, 0, 0, remote)
         if idle:
-            return LedgerView(w.in_flight, w.in_flight, w.prefill, w.kv, remote)
+            return LedgerView(w.in_flight, w.in_flight, w.prefill, w.kv, remote, 0, 0, len(w.recent))
         return LedgerView(w.in_flight, w.pending, w.pending_prefill, w.pending_kv, remote,
-                          w.gone_n, w.gone_kv)
+                          w.gone_n, w.gone_kv, len(w.recent))
 
     def in_flight(self, worker: str) -> int:
         w = self._workers.get(worker)
@@ -229,7 +236,7 @@ class Ledger:
         lv = self.view(v.name, idle=idle)
         if idle:
             return WorkerView(v.name, v.url, v.state, v.page_size, 0, v.total_slots, 0, 0,
-                              v.kv_total_blocks, *lv[:5], v.hot_blocks)
+                              v.kv_total_blocks, *lv[:5], v.hot_blocks, lv.recent_finished)
         running, waiting, kv = v.running, v.waiting, v.kv_active_blocks
         if lv.finished:  # ended since the report: out of its running (then waiting) and KV figures
             gone = lv.finished
@@ -238,11 +245,21 @@ class Ledger:
             running = max(0, running - gone)
             kv = max(0, kv - -(-lv.finished_kv_blocks * self.block_tokens // max(1, v.page_size)))
         return WorkerView(v.name, v.url, v.state, v.page_size, running, v.total_slots, waiting,
-                          kv, v.kv_total_blocks, *lv[:5], v.hot_blocks)
+                          kv, v.kv_total_blocks, *lv[:5], v.hot_blocks, lv.recent_finished)
 
     def take_dirty(self) -> set[str]:
         """Workers whose ledger figures changed since the last call (rebuild only their views)."""
         self.expire_remote()
+        now = self._clock()
+        if now - self._recent_swept_at >= 0.05:  # recent_finished decays with time: O(workers)
+            self._recent_swept_at = now
+            cutoff = now - self.config.followup_window_s
+            for name, w in self._workers.items():
+                r = w.recent
+                if r and r[0] < cutoff:
+                    while r and r[0] < cutoff:
+                        r.popleft()
+                    self._dirty.add(name)
         d, self._dirty = self._dirty, set()
         return d
 
@@ -304,7 +321,7 @@ class Ledger:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _end(self, request_id: str) -> None:
+    def _end(self, request_id: str, finished: bool = False) -> None:
         r = self._reqs.pop(request_id, None)
         if r is None or r.done:
             return
@@ -312,6 +329,13 @@ class Ledger:
         w = self._workers.get(r.worker)
         if w is None:
             return
+        if finished:
+            now = self._clock()
+            recent = w.recent
+            recent.append(now)
+            cutoff = now - self.config.followup_window_s
+            while recent[0] < cutoff:  # bounded by the finishes of one window
+                recent.popleft()
         w.in_flight -= 1
         w.kv -= r.kv
         if not r.prefilled:

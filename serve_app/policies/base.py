@@ -41,6 +41,8 @@ class WorkerView:
     # prefix index: blocks this router has sent to the worker more than once (reused, so likely
     # valuable in its cache) and not yet expired — what a new prompt there would evict first
     hot_blocks: int = 0
+    # ledger: requests this replica saw finish there within LedgerConfig.followup_window_s
+    recent_finished: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ For each routable worker w, in blocks of B = `request.block_tokens` tokens:
     evict    = min(new, max(0, new − room))                  hot cached blocks this prompt pushes out
                                                             (only when kv_total_blocks > 0)
     raw      = prefill_weight·prefill + kv + queued_request_blocks·queued + kv_overflow_weight·over
-               + eviction_weight·evict
+               + eviction_weight·evict + followup_weight·recent_finished·new
     cost     = raw · mean_cap / cap_w                        cap_w = kv_total_blocks·page_size; mean over
                                                             routable workers that report one; workers
                                                             without one keep raw (normalize_by_capacity)
@@ -27,7 +27,10 @@ are this router's dispatches that report cannot show yet and `remote_pending` ot
 (see `serve_app.ledger`). `hot_blocks` are the blocks this router sent to w more than once
 (`serve_app.prefix_index.PrefixIndex.hot_blocks`): reused prefixes that a new prompt would evict
 and that would then be prefilled again, so a cold prompt goes where it displaces the least of them
-(what keeps two hot system prompts from sharing a cache that holds one and a half). Choice: let c* = min cost; the near set is every w with
+(what keeps two hot system prompts from sharing a cache that holds one and a half).
+`recent_finished` counts requests that finished on w within the ledger's follow-up window: their
+next turns are about to arrive there and would wait behind this prompt's `new` blocks of prefill,
+so a cold prompt avoids the worker whose conversations are between turns. Choice: let c* = min cost; the near set is every w with
 cost ≤ c*·(1 + tolerance) + tolerance_blocks. If some near worker has o ≥ min_overlap_blocks, pick
 the near worker with the largest o (then the lowest cost, then at random); otherwise pick at random
 among the workers whose cost equals c*. Affinity therefore never beats load blindly: a hot prefix
@@ -75,10 +78,14 @@ class KvAwareConfig:
     eviction_weight: float = 5.0
     """Cost per hot cached block a prompt would evict (`evict`): they are prefilled again when
     their prefix comes back, so the default is one prefill (prefill_weight + 1 for its KV)."""
+    followup_weight: float = 0.3
+    """Cost per block of new prefill per request that finished on the worker within the
+    ledger's follow-up window (expected follow-ups that would wait behind it)."""
 
     def __post_init__(self) -> None:
         for f in ("prefill_weight", "queued_request_blocks", "remote_request_blocks",
-                  "kv_overflow_weight", "tolerance", "tolerance_blocks", "eviction_weight"):
+                  "kv_overflow_weight", "tolerance", "tolerance_blocks", "eviction_weight",
+                  "followup_weight"):
             if getattr(self, f) < 0:
                 raise ValueError(f"KvAwareConfig.{f} must be ≥ 0, got {getattr(self, f)}")
         if not 0 < self.kv_high_watermark <= 1:
@@ -100,9 +107,9 @@ class KvAware:
     def __init__(self, config: KvAwareConfig | None = None) -> None:
         self.config = config or KvAwareConfig()
 
-    def row(self, w: WorkerView, block_tokens: int) -> tuple[float, float, float, float, float]:
-        """(down, base, headroom, capacity_tokens, room) of one worker: cost(new) =
-        scale·(base + (prefill_weight+1)·new + kv_overflow_weight·max(0, new − headroom)
+    def row(self, w: WorkerView, block_tokens: int) -> tuple[float, float, float, float, float, float]:
+        """(down, base, headroom, capacity_tokens, room, per_new) of one worker: cost(new) =
+        scale·(base + (prefill_weight + 1 + per_new)·new + kv_overflow_weight·max(0, new − headroom)
                + eviction_weight·min(new, max(0, new − room)))."""
         cfg = self.config
         ps = w.page_size / block_tokens
@@ -121,7 +128,8 @@ class KvAware:
             cap = float(w.kv_total_blocks * w.page_size)
         else:
             headroom, room, cap = _INF, _INF, 0.0
-        return (1.0 if w.state == "down" else 0.0, base, headroom, cap, room)
+        return (1.0 if w.state == "down" else 0.0, base, headroom, cap, room,
+                cfg.followup_weight * w.recent_finished)
 
     def costs(self, request: RouteRequest, workers: Sequence[WorkerView]) -> dict[str, float]:
         """Normalised cost per routable worker (for inspection, tests and `/route` debugging)."""
@@ -216,7 +224,7 @@ class KvAware:
         append = out.append
         ovget = ovmap.get if ovmap else None
         i = -1
-        for (down, b, hr, _, room), name in zip(rows, names):
+        for (down, b, hr, _, room, fu), name in zip(rows, names):
             i += 1
             if down:
                 append(_INF)
@@ -230,7 +238,7 @@ class KvAware:
                 new = P - o
             else:
                 new = P
-            c = b + k * new
+            c = b + (k + fu) * new
             if new > hr:
                 c += ow * (new - hr)
             if new > room:
@@ -243,8 +251,8 @@ class KvAware:
     @staticmethod
     def _score_numpy(cols: Columns, fleet: FleetView, ovmap: Any, P: int, k: float, ow: float, ew: float,
                      min_o: int, scale: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        down, base, headroom, _cap, room = cols.arrays
-        cost = base + k * P
+        down, base, headroom, _cap, room, fu = cols.arrays
+        cost = base + (k + fu) * P
         hmin = cols.extra.get("hmin")
         if hmin is None:
             hmin = cols.extra["hmin"] = float(headroom.min())
@@ -273,7 +281,7 @@ class KvAware:
         if len(pos):
             np.minimum(ov, P, out=ov)
             new = P - ov
-            c = (base[pos] + k * new + ow * np.maximum(new - headroom[pos], 0.0)
+            c = (base[pos] + (k + fu[pos]) * new + ow * np.maximum(new - headroom[pos], 0.0)
                  + ew * np.minimum(np.maximum(new - room[pos], 0.0), new))
             if scale is not None:
                 c *= scale[pos]
@@ -284,7 +292,7 @@ class KvAware:
         """`_scales` over cached columns, vectorised (recomputed after any row changes)."""
         if not self.config.normalize_by_capacity:
             return None
-        down, _, _, cap, _ = cols.arrays
+        down, _, _, cap, _, _ = cols.arrays
         known = cap[(cap > 0) & (down == 0)]
         if not len(known) or known.min() == known.max():
             return None

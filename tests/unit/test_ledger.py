@@ -35,7 +35,8 @@ def test_a_routed_request_counts_prefill_and_kv_until_it_ends(ledger):
     ledger.on_first_token("r1")  # prefill done: KV stays held until the end
     assert ledger.view("w") == LedgerView(1, 1, 0, 10, 0)
     ledger.on_finished("r1")
-    assert ledger.view("w") == LedgerView(0, 0, 0, 0, 0)
+    # gone, and counted as recently finished on w (its follow-up may come next)
+    assert ledger.view("w") == LedgerView(0, 0, 0, 0, 0, recent_finished=1)
 
 
 def test_failed_and_unknown_and_repeated_end_hooks_are_harmless(ledger):
@@ -69,9 +70,12 @@ def test_a_report_absorbs_dispatches_routed_before_it_minus_latency(ledger, cloc
     ledger.on_finished("old")
     ledger.on_finished("recent")
     # both are in the last report's figures: they stay "finished since" until a newer report
-    assert ledger.view("w") == LedgerView(0, 0, 0, 0, 0, finished=2, finished_kv_blocks=30)
+    assert ledger.view("w") == LedgerView(0, 0, 0, 0, 0, finished=2, finished_kv_blocks=30, recent_finished=2)
     clock.t += 0.01
     ledger.on_report("w", at=clock.t)
+    assert ledger.view("w") == LedgerView(0, 0, 0, 0, 0, recent_finished=2)
+    clock.t += 1.0  # past the follow-up window
+    assert "w" in ledger.take_dirty()
     assert ledger.view("w") == LedgerView(0, 0, 0, 0, 0)
 
 
@@ -202,6 +206,8 @@ def test_a_worker_that_never_reports_keeps_bounded_state_and_fast_events(ledger,
         ledger.on_first_token(f"r{i}")
         ledger.on_finished(f"r{i}")
     per_request_us = (time.perf_counter() - start) / 20_000 * 1e6
-    assert ledger.view("silent") == LedgerView(0, 0, 0, 0, 0)
+    v = ledger.view("silent")
+    assert v[:7] == (0, 0, 0, 0, 0, 0, 0) and v.recent_finished <= 1001  # one window of finishes
     assert len(ledger._workers["silent"].queue) <= 64 + 1  # compacted, not 20k entries
+    assert len(ledger._workers["silent"].recent) <= 1001
     assert per_request_us < 100

@@ -262,6 +262,16 @@ def test_a_cold_prompt_goes_where_it_evicts_no_reused_prefix():
     assert KvAware().choose(req(4096, {"w0": 250}), ws, random.Random(0)).worker == "w0"
 
 
+def test_a_cold_prompt_avoids_the_worker_whose_conversations_are_between_turns():
+    """w0 just finished 6 requests (their next turns are coming back there); a cold 4k prompt
+    would make them wait behind its prefill, so it goes to w1 — while w0's own follow-up stays."""
+    ws = [worker("w0", recent_finished=6), worker("w1")]
+    assert {KvAware().choose(req(4096), ws, random.Random(s)).worker for s in range(40)} == {"w1"}
+    off = KvAware(KvAwareConfig(followup_weight=0.0))
+    assert {off.choose(req(4096), ws, random.Random(s)).worker for s in range(40)} == {"w0", "w1"}
+    assert KvAware().choose(req(4096, {"w0": 250}), ws, random.Random(0)).worker == "w0"
+
+
 def test_costs_are_normalised_by_capacity_on_heterogeneous_fleets():
     small = worker("small", kv_total_blocks=1000, kv_active_blocks=100)
     big = worker("big", kv_total_blocks=3000, kv_active_blocks=250)  # 2.5× the load, 3× the room
@@ -296,7 +306,7 @@ def test_kv_aware_docstring_states_the_formula():
     import serve_app.policies.kv_aware as mod
 
     for term in ("prefill_weight", "queued_request_blocks", "kv_high_watermark", "tolerance",
-                 "eviction_weight", "hot_blocks"):
+                 "eviction_weight", "hot_blocks", "followup_weight", "recent_finished"):
         assert term in mod.__doc__
 
 
@@ -309,7 +319,8 @@ def random_fleet(rng: random.Random, n: int) -> list[WorkerView]:
                total_slots=16, waiting=rng.randrange(3), kv_active_blocks=rng.randrange(4096),
                kv_total_blocks=rng.choice([4096, 8192, 0]), pending=rng.randrange(3),
                pending_prefill_blocks=rng.randrange(200), pending_kv_blocks=rng.randrange(200),
-               remote_pending=rng.randrange(2), hot_blocks=rng.randrange(8192))
+               remote_pending=rng.randrange(2), hot_blocks=rng.randrange(8192),
+               recent_finished=rng.randrange(4))
         for i in range(n)
     ]
 
