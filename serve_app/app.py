@@ -112,6 +112,7 @@ class KvRouter:
         """Batched, like the metrics: this replica's in-flight counts reach the other replicas."""
         last: dict[str, int] | None = None
         last_sent = 0.0
+        agg = None  # resolved once, again only after a failure (get-or-create is a GCS round trip)
         while True:
             try:
                 await asyncio.sleep(self.settings.push_interval_s * 5)
@@ -119,13 +120,15 @@ class KvRouter:
                 counts = self.core.ledger.export()
                 now = time.monotonic()
                 if counts != last or now - last_sent > self.settings.heartbeat_s:
-                    agg = await self._resolve_aggregator()
+                    if agg is None:
+                        agg = await self._resolve_aggregator()
                     await agg.report_in_flight.remote(self.replica_id, counts)
                     last, last_sent = counts, now
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # aggregator away: counts are resent when it is back
                 logger.debug("in-flight share failed: %s", exc)
+                agg = None
                 await asyncio.sleep(self.settings.reconnect_backoff_max_s)
 
     # --- guards -------------------------------------------------------------------------------
