@@ -103,7 +103,9 @@ class PrefixIndex:
     It also keeps, per worker, the *hot* blocks: those sent to that worker at least twice (reused
     while held, e.g. a shared system prompt or a conversation's history — not a prompt's unique
     tail) and reused within the last `hot_window_s` (a finished conversation stops being worth
-    keeping long before its entries expire). `hot_blocks(worker)` is what a new prompt would push
+    keeping long before its entries expire), plus the blocks first sent there within the last
+    `fresh_window_s` (a system prompt's second request may be on its way: before it arrives the
+    first copy looks like any unique prompt). `hot_blocks(worker)` is what a new prompt would push
     out of that worker's cache at a cost; kv_aware prices that eviction. `take_changed()` names
     the workers whose count moved.
     """
@@ -114,18 +116,22 @@ class PrefixIndex:
         ttl_s: float = 120.0,
         max_entries: int = 262_144,
         hot_window_s: float = 10.0,
+        fresh_window_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if ttl_s <= 0 or max_entries < 1 or hot_window_s <= 0:
-            raise ValueError("PrefixIndex needs ttl_s > 0, max_entries ≥ 1 and hot_window_s > 0")
+        if ttl_s <= 0 or max_entries < 1 or hot_window_s <= 0 or fresh_window_s < 0:
+            raise ValueError("PrefixIndex needs ttl_s > 0, max_entries ≥ 1, hot_window_s > 0, fresh_window_s ≥ 0")
         self.ttl_s = ttl_s
         self.hot_window_s = hot_window_s
+        self.fresh_window_s = fresh_window_s
         self._hot_swept_at = float("-inf")
         self.max_entries = max_entries
         self._clock = clock
         self._entries: OrderedDict[int, dict[str, float]] = OrderedDict()  # LRU first
         # worker → {hash: last reuse} of blocks it was sent twice or more, oldest reuse first
         self._hot: dict[str, OrderedDict[int, float]] = {}
+        # worker → {hash: first sent} of blocks sent there once, within fresh_window_s
+        self._fresh: dict[str, OrderedDict[int, float]] = {}
         self._changed: set[str] = set()
 
     def __len__(self) -> int:
@@ -134,7 +140,8 @@ class PrefixIndex:
     def hot_blocks(self, worker: str) -> int:
         """Blocks sent to `worker` more than once and still indexed (see the class docstring)."""
         hot = self._hot.get(worker)
-        return len(hot) if hot else 0
+        fresh = self._fresh.get(worker)
+        return (len(hot) if hot else 0) + (len(fresh) if fresh else 0)
 
     def take_changed(self, now: float | None = None) -> set[str]:
         """Workers whose `hot_blocks` changed since the last call (reuse older than
@@ -143,12 +150,14 @@ class PrefixIndex:
         if now - self._hot_swept_at >= 0.1:
             self._hot_swept_at = now
             for w, hot in self._hot.items():
-                self._cool(w, hot, now)
+                self._cool(w, hot, now, self.hot_window_s)
+            for w, fresh in self._fresh.items():
+                self._cool(w, fresh, now, self.fresh_window_s)
         c, self._changed = self._changed, set()
         return c
 
-    def _cool(self, worker: str, hot: OrderedDict[int, float], now: float) -> None:
-        cutoff = now - self.hot_window_s
+    def _cool(self, worker: str, hot: OrderedDict[int, float], now: float, window: float) -> None:
+        cutoff = now - window
         if hot and next(iter(hot.values())) < cutoff:
             while hot and next(iter(hot.values())) < cutoff:
                 hot.popitem(last=False)
@@ -162,12 +171,17 @@ class PrefixIndex:
         hot = self._hot.get(worker)
         if hot is None:
             hot = self._hot[worker] = OrderedDict()
-        n_hot = len(hot)
+            self._fresh[worker] = OrderedDict()
+        fresh = self._fresh[worker]
+        n_hot, n_fresh = len(hot), len(fresh)
         hot_move = hot.move_to_end
+        track_fresh = self.fresh_window_s > 0
         for h in reversed(block_hashes):  # root last: it becomes the most recently used
             e = entries.get(h)
             if e is None:
                 entries[h] = {worker: now}
+                if track_fresh:
+                    fresh[h] = now
             else:
                 if worker in e:
                     if h in hot:
@@ -175,9 +189,12 @@ class PrefixIndex:
                         hot_move(h)
                     else:
                         hot[h] = now
+                        fresh.pop(h, None)
+                elif track_fresh:
+                    fresh[h] = now
                 e[worker] = now
                 move(h)
-        if len(hot) != n_hot:
+        if len(hot) != n_hot or len(fresh) != n_fresh:
             self._changed.add(worker)
         self._evict(now)
 
@@ -219,8 +236,9 @@ class PrefixIndex:
                 dead.append(h)
         for h in dead:
             del self._entries[h]
-        if self._hot.pop(worker, None):
+        if self._hot.pop(worker, None) or self._fresh.pop(worker, None):
             self._changed.add(worker)
+        self._fresh.pop(worker, None)
 
     def expire(self, now: float | None = None) -> None:
         """Drop entries unused for `ttl_s` (also done on every `record`)."""
@@ -242,6 +260,9 @@ class PrefixIndex:
         for w in holders:
             hot = self._hot.get(w)
             if hot and hot.pop(h, None) is not None:
+                self._changed.add(w)
+            fresh = self._fresh.get(w)
+            if fresh and fresh.pop(h, None) is not None:
                 self._changed.add(w)
 
 

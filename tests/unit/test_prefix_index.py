@@ -195,7 +195,7 @@ def test_hash_token_blocks_ignores_a_partial_tail(n):
 
 def test_hot_blocks_are_the_ones_sent_to_a_worker_more_than_once():
     clock = Clock()
-    ix = PrefixIndex(ttl_s=10, clock=clock)
+    ix = PrefixIndex(ttl_s=10, fresh_window_s=0, clock=clock)  # reuse only
     system = chain("sys", 20)
     ix.record("a", system + chain("q1", 3))
     assert ix.hot_blocks("a") == 0 and ix.take_changed() == set()  # one prompt: nothing reused yet
@@ -210,6 +210,25 @@ def test_hot_blocks_are_the_ones_sent_to_a_worker_more_than_once():
     ix.expire()
     assert (ix.hot_blocks("a"), len(ix)) == (0, 0)
     assert ix.take_changed() == {"a"}
+
+
+def test_blocks_first_sent_lately_count_until_their_reuse_could_have_come():
+    """A system prompt's first request looks like any unique prompt; for fresh_window_s its
+    blocks count (its second request may be on the way), then only reuse keeps them hot."""
+    clock = Clock()
+    ix = PrefixIndex(ttl_s=120, hot_window_s=10, fresh_window_s=2, clock=clock)
+    system = chain("sys", 20)
+    ix.record("a", system + chain("q1", 3))
+    assert ix.hot_blocks("a") == 23 and ix.take_changed() == {"a"}
+    clock.t = 1.0
+    ix.record("a", system + chain("q2", 3))  # reused: the system part is hot, no block counted twice
+    assert ix.hot_blocks("a") == 20 + 3 + 3
+    clock.t = 3.5  # the unique tails (sent at 0 and 1) were never reused
+    ix.take_changed()
+    assert ix.hot_blocks("a") == 20
+    ix.record("b", chain("unique", 5))
+    clock.t = 5.0
+    assert ix.take_changed() == {"b"} and ix.hot_blocks("b") == 0
 
 
 def test_hot_blocks_follow_lru_eviction_and_worker_removal():
