@@ -38,8 +38,8 @@ class WorkerView:
     pending_prefill_blocks: int = 0  # prompt blocks still to prefill (before first token)
     pending_kv_blocks: int = 0  # KV blocks those requests hold or will hold
     remote_pending: int = 0  # the same count from other router replicas (sizes unknown)
-    # prefix index: blocks this router has sent to the worker more than once (reused, so likely
-    # valuable in its cache) and not yet expired — what a new prompt there would evict first
+    # prefix index: blocks this router reused on the worker lately, or first sent there just now
+    # (`PrefixIndex.hot_blocks`) — valuable in its cache, what a new prompt there would evict
     hot_blocks: int = 0
     # ledger: requests this replica saw finish there within LedgerConfig.followup_window_s
     recent_finished: int = 0

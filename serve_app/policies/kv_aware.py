@@ -24,8 +24,8 @@ For each routable worker w, in blocks of B = `request.block_tokens` tokens:
 
 `running`, `waiting`, `kv_active_blocks` are the worker's last report (zero when `idle`); `pending*`
 are this router's dispatches that report cannot show yet and `remote_pending` other replicas'
-(see `serve_app.ledger`). `hot_blocks` are the blocks this router sent to w more than once
-(`serve_app.prefix_index.PrefixIndex.hot_blocks`): reused prefixes that a new prompt would evict
+(see `serve_app.ledger`). `hot_blocks` are the blocks this router reused on w lately or first sent
+there just now (`serve_app.prefix_index.PrefixIndex.hot_blocks`): prefixes that a new prompt would evict
 and that would then be prefilled again, so a cold prompt goes where it displaces the least of them
 (what keeps two hot system prompts from sharing a cache that holds one and a half).
 `recent_finished` counts requests that finished on w within the ledger's follow-up window: their
