@@ -67,7 +67,7 @@ class KvAwareConfig:
     """Fraction of KV capacity above which every further block costs `kv_overflow_weight` more."""
     kv_overflow_weight: float = 4.0
     """Extra cost per block over the watermark (the engine would queue, evict or retract)."""
-    tolerance: float = 0.5
+    tolerance: float = 1.0
     """Relative slack: workers within c*·(1+tolerance) + tolerance_blocks count as near-minimum."""
     tolerance_blocks: float = 8.0
     """Absolute slack of the near-minimum set, in blocks."""

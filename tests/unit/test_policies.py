@@ -181,7 +181,9 @@ def test_shared_system_prompt_spreads_once_its_worker_saturates():
     picks = [r.route(chat(system, f"question {i}"))[0] for i in range(40)]
     hot = picks[0]
     assert picks[:8] == [hot] * 8  # fills its slots first: prefill is nearly free there
-    assert len(set(picks)) == 4  # then the prefix spreads over the fleet
+    # then, once its queue costs more than twice a cold prefill elsewhere (tolerance 1.0), the
+    # prefix spreads: no death spiral onto the hot worker
+    assert len(set(picks)) >= 3
     assert Counter(picks)[hot] < 20
 
 
