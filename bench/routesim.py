@@ -121,7 +121,6 @@ class Result:
     first_send: float
     last_end: float
     per_worker: dict[str, int]
-    by_turn: dict[int, list[float]] = field(default_factory=dict)
 
     def summary(self) -> dict[str, float]:
         q = statistics.quantiles(self.ttft, n=100) if len(self.ttft) > 1 else [0.0] * 99
@@ -266,7 +265,6 @@ def run(workload: str, rate: float, duration_s: float, policy: str, *, seed: int
             if r["measured"]:
                 res.requests += 1
                 res.ttft.append(r.get("ttft", now - r["sent"]))
-                res.by_turn.setdefault(turn, []).append(res.ttft[-1])
                 res.e2e.append(now - r["sent"])
                 res.last_end = max(res.last_end, now)
                 res.prompt += r["n_prompt"]

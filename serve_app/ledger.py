@@ -255,10 +255,7 @@ class Ledger:
             self._recent_swept_at = now
             cutoff = now - self.config.followup_window_s
             for name, w in self._workers.items():
-                r = w.recent
-                if r and r[0] < cutoff:
-                    while r and r[0] < cutoff:
-                        r.popleft()
+                if _trim(w.recent, cutoff):
                     self._dirty.add(name)
         d, self._dirty = self._dirty, set()
         return d
@@ -329,19 +326,16 @@ class Ledger:
         w = self._workers.get(r.worker)
         if w is None:
             return
+        now = self._clock()
         if finished:
-            now = self._clock()
-            recent = w.recent
-            recent.append(now)
-            cutoff = now - self.config.followup_window_s
-            while recent[0] < cutoff:  # bounded by the finishes of one window
-                recent.popleft()
+            w.recent.append(now)
+            _trim(w.recent, now - self.config.followup_window_s)  # bounded by one window's finishes
         w.in_flight -= 1
         w.kv -= r.kv
         if not r.prefilled:
             w.prefill -= r.prefill
         if r.absorbed:  # the last report counts it: take it back out until a newer report
-            w.gone.append((self._clock(), r.kv))
+            w.gone.append((now, r.kv))
             w.gone_n += 1
             w.gone_kv += r.kv
         else:
@@ -366,6 +360,14 @@ class Ledger:
                         rid, r.worker, now - r.routed_at)
             self.forgotten += 1
             self._end(rid)
+
+
+def _trim(times: deque[float], cutoff: float) -> bool:
+    """Drop the times older than `cutoff` from the front of an ascending deque; True if any."""
+    n = len(times)
+    while times and times[0] < cutoff:
+        times.popleft()
+    return len(times) != n
 
 
 def apply_all(ledger: Ledger, views: Iterable[WorkerView]) -> list[WorkerView]:

@@ -138,7 +138,7 @@ class PrefixIndex:
         return len(self._entries)
 
     def hot_blocks(self, worker: str) -> int:
-        """Blocks sent to `worker` more than once and still indexed (see the class docstring)."""
+        """Blocks reused on `worker` lately or first sent there just now (see the class docstring)."""
         hot = self._hot.get(worker)
         fresh = self._fresh.get(worker)
         return (len(hot) if hot else 0) + (len(fresh) if fresh else 0)
@@ -158,9 +158,10 @@ class PrefixIndex:
 
     def _cool(self, worker: str, hot: OrderedDict[int, float], now: float, window: float) -> None:
         cutoff = now - window
-        if hot and next(iter(hot.values())) < cutoff:
-            while hot and next(iter(hot.values())) < cutoff:
-                hot.popitem(last=False)
+        n = len(hot)
+        while hot and next(iter(hot.values())) < cutoff:
+            hot.popitem(last=False)
+        if len(hot) != n:
             self._changed.add(worker)
 
     def record(self, worker: str, block_hashes: Sequence[int], now: float | None = None) -> None:
@@ -236,9 +237,9 @@ class PrefixIndex:
                 dead.append(h)
         for h in dead:
             del self._entries[h]
-        if self._hot.pop(worker, None) or self._fresh.pop(worker, None):
+        hot, fresh = self._hot.pop(worker, None), self._fresh.pop(worker, None)
+        if hot or fresh:
             self._changed.add(worker)
-        self._fresh.pop(worker, None)
 
     def expire(self, now: float | None = None) -> None:
         """Drop entries unused for `ttl_s` (also done on every `record`)."""
