@@ -17,19 +17,22 @@ import numpy as np
 from serve_app.policies.base import WorkerView
 
 RowFn = Callable[[WorkerView], tuple[float, ...]]
+SetHook = Callable[["Columns", tuple[float, ...], tuple[float, ...]], None]
 
 
 class Columns:
     """Derived per-worker numbers: `rows[i]` (tuples) and `arrays[k][i]` (float64 columns).
 
-    `extra` is free for the owner to cache fleet-wide figures (cleared whenever a row changes)."""
+    `extra` is free for the owner to cache fleet-wide figures. When a row changes, `on_set(cols,
+    old_row, new_row)` keeps them current if the owner gave one; otherwise `extra` is cleared."""
 
-    __slots__ = ("rows", "_arrays", "extra")
+    __slots__ = ("rows", "_arrays", "extra", "on_set")
 
-    def __init__(self, rows: list[tuple[float, ...]]) -> None:
+    def __init__(self, rows: list[tuple[float, ...]], on_set: SetHook | None = None) -> None:
         self.rows = rows
         self._arrays: tuple[np.ndarray, ...] | None = None
         self.extra: dict[str, object] = {}
+        self.on_set = on_set
 
     @property
     def arrays(self) -> tuple[np.ndarray, ...]:
@@ -39,11 +42,15 @@ class Columns:
         return self._arrays
 
     def _set(self, i: int, row: tuple[float, ...]) -> None:
+        old = self.rows[i]
         self.rows[i] = row
         if self._arrays is not None:
             for col, v in zip(self._arrays, row):
                 col[i] = v
-        self.extra.clear()
+        if self.on_set is None:
+            self.extra.clear()
+        elif self.extra:
+            self.on_set(self, old, row)
 
 
 class _Positions(dict):
@@ -126,11 +133,12 @@ class FleetView(Sequence[WorkerView]):
         self._derived.clear()
         self._names = None
 
-    def derived(self, key: Hashable, fn: RowFn) -> Columns:
-        """The columns `fn(view)` for every worker, cached under `key` and kept current by `update`."""
+    def derived(self, key: Hashable, fn: RowFn, on_set: SetHook | None = None) -> Columns:
+        """The columns `fn(view)` for every worker, cached under `key` and kept current by `update`
+        (`on_set`: see `Columns`)."""
         hit = self._derived.get(key)
         if hit is not None:
             return hit[1]
-        cols = Columns([fn(v) for v in self._views])
+        cols = Columns([fn(v) for v in self._views], on_set)
         self._derived[key] = (fn, cols)
         return cols

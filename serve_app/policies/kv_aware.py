@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -93,9 +93,24 @@ class KvAwareConfig:
 
 
 _INF = float("inf")
-_EMPTY_I = np.zeros(0, dtype=np.intp)
-_EMPTY_F = np.zeros(0, dtype=np.float64)
-_NUMPY_FROM = 48  # fleets at least this large are scored with numpy (fixed overhead ≈ 10 µs)
+_NUMPY_FROM = 48  # fleets at least this large are scored with numpy (fixed overhead ≈ 8 µs)
+
+Row = tuple[float, float, float, float, float]
+
+
+def _on_row_set(cols: Columns, old: Row, new: Row) -> None:
+    """Keeps kv_aware's fleet-wide figures current when one worker's row changes: the capacity
+    scale only depends on capacities and which workers are down; `hmin`/`rmin` stay lower bounds
+    (a pre-check that is made exact again when it fires)."""
+    ex = cols.extra
+    if old[3] != new[3] or (old[0] == _INF) != (new[0] == _INF):
+        ex.pop("scale", None)
+    h = ex.get("hmin")
+    if h is not None and new[2] < h:
+        ex["hmin"] = new[2]
+    r = ex.get("rmin")
+    if r is not None and new[4] < r:
+        ex["rmin"] = new[4]
 
 
 class KvAware:
@@ -106,11 +121,12 @@ class KvAware:
 
     def __init__(self, config: KvAwareConfig | None = None) -> None:
         self.config = config or KvAwareConfig()
+        self._rowfns: dict[int, Callable[[WorkerView], Row]] = {}
 
-    def row(self, w: WorkerView, block_tokens: int) -> tuple[float, float, float, float, float, float]:
-        """(down, base, headroom, capacity_tokens, room, per_new) of one worker: cost(new) =
-        scale·(base + (prefill_weight + 1 + per_new)·new + kv_overflow_weight·max(0, new − headroom)
-               + eviction_weight·min(new, max(0, new − room)))."""
+    def row(self, w: WorkerView, block_tokens: int) -> Row:
+        """(base, slope, headroom, capacity_tokens, room) of one worker, base = inf when it is
+        down: cost(new) = scale·(base + slope·new + kv_overflow_weight·max(0, new − headroom)
+                                 + eviction_weight·min(new, max(0, new − room)))."""
         cfg = self.config
         ps = w.page_size / block_tokens
         kv0 = w.kv_active_blocks * ps + w.pending_kv_blocks
@@ -128,109 +144,104 @@ class KvAware:
             cap = float(w.kv_total_blocks * w.page_size)
         else:
             headroom, room, cap = _INF, _INF, 0.0
-        return (1.0 if w.state == "down" else 0.0, base, headroom, cap, room,
-                cfg.followup_weight * w.recent_finished)
+        return (_INF if w.state == "down" else base,
+                cfg.prefill_weight + 1.0 + cfg.followup_weight * w.recent_finished, headroom, cap, room)
+
+    def _columns(self, fleet: FleetView, block_tokens: int) -> Columns:
+        fn = self._rowfns.get(block_tokens)
+        if fn is None:
+            fn = self._rowfns[block_tokens] = lambda w: self.row(w, block_tokens)
+        return fleet.derived((id(self), block_tokens), fn, _on_row_set)
 
     def costs(self, request: RouteRequest, workers: Sequence[WorkerView]) -> dict[str, float]:
         """Normalised cost per routable worker (for inspection, tests and `/route` debugging)."""
-        cost, _, _ = self._score(request, list(workers))
+        if isinstance(workers, FleetView) and len(workers) >= _NUMPY_FROM:
+            cost, _ = self._cost_numpy(request, workers, self._columns(workers, request.block_tokens))
+            cost = cost.tolist()
+        else:
+            rows = [self.row(w, request.block_tokens) for w in workers]
+            cost, _, _ = self._score(request, rows, [w.name for w in workers], self._scales(rows))
         return {w.name: c for w, c in zip(workers, cost) if c != _INF}
 
     def choose(
         self, request: RouteRequest, workers: Sequence[WorkerView], rng: random.Random
     ) -> Decision:
-        cfg = self.config
-        cost, apos, aov = self._score(request, workers)
-        vec = isinstance(cost, np.ndarray)
-        best = float(cost.min()) if vec and len(cost) else min(cost, default=_INF)
-        if best == _INF:
-            _raise_none(workers)
-        P = request.prompt_blocks
-        if len(apos):
-            # the affine worker among the near-minimum ones: most overlap, then cheapest, then random
-            limit = best * (1.0 + cfg.tolerance) + cfg.tolerance_blocks + _EPS
-            if isinstance(apos, np.ndarray):
-                ca = cost[apos]
-                near = ca <= limit
-                ties: list[int] = []
-                if near.any():
-                    omax = aov[near].max()
-                    cand = near & (aov == omax)
-                    cmin = ca[cand].min()
-                    ties = sorted(apos[cand & (ca <= cmin + _EPS)].tolist())
-                    pick_o = int(omax)
-            else:  # one plain pass (affine workers are few; generators cost more than the work)
-                pick_o = -1
-                cmin = _INF
-                cand: list[int] = []
-                for i, o in zip(apos, aov):
-                    c = cost[i]
-                    if c > limit or o < pick_o:
-                        continue
-                    if o > pick_o:
-                        pick_o, cmin, cand = o, c, [i]
-                    else:
-                        cand.append(i)
-                        if c < cmin:
-                            cmin = c
-                ties = cand if len(cand) < 2 else sorted(i for i in cand if cost[i] <= cmin + _EPS)
-            if ties:
-                i = ties[0] if len(ties) == 1 else rng.choice(ties)
-                w = workers[i]
-                return Decision(w.name, w.url, self.name,
-                                ("overlap={}/{} blocks, cost={:.1f} (min {:.1f})", pick_o, P, float(cost[i]), best))
-        lim = best + _EPS
-        if vec:
-            mins = np.flatnonzero(cost <= lim).tolist()
-        else:
-            mins = [i for i, c in enumerate(cost) if c <= lim]
-        i = mins[0] if len(mins) == 1 else rng.choice(mins)
-        w = workers[i]
-        o = min(request.overlap.get(w.name, 0), P) if request.overlap else 0
-        return Decision(w.name, w.url, self.name,
-                        ("overlap={}/{} blocks, cost={:.1f} = min of {}{}", o, P, best, len(workers),
-                         f" ({len(mins)} tied)" if len(mins) > 1 else ""))
-
-    def _score(self, request: RouteRequest, workers: Sequence[WorkerView]) -> tuple[Any, Any, Any]:
-        """(cost per position in `workers`, inf for down ones; positions of affine workers; their
-        overlaps) — numpy arrays for large FleetViews, lists otherwise."""
-        cfg = self.config
-        B = request.block_tokens
-        P = request.prompt_blocks
-        k = cfg.prefill_weight + 1.0
-        ow = cfg.kv_overflow_weight
-        ew = cfg.eviction_weight
-        min_o = max(1, cfg.min_overlap_blocks)
-        ovmap = request.overlap
         if isinstance(workers, FleetView):
-            cols = workers.derived((id(self), B), lambda w: self.row(w, B))
+            cols = self._columns(workers, request.block_tokens)
             rows = cols.rows
             if len(rows) >= _NUMPY_FROM:
-                scale = cols.extra.get("scale", False)
-                if scale is False:
-                    scale = cols.extra["scale"] = self._scales_numpy(cols)
-                return self._score_numpy(cols, workers, ovmap, P, k, ow, ew, min_o, scale)
+                return self._choose_numpy(request, workers, cols, rng)
             scale = cols.extra.get("scale", False)
             if scale is False:
                 scale = cols.extra["scale"] = self._scales(rows)
             names = workers.names
         else:
-            rows = [self.row(w, B) for w in workers]
+            rows = [self.row(w, request.block_tokens) for w in workers]
             scale = self._scales(rows)
             names = [w.name for w in workers]
+        cfg = self.config
+        cost, apos, aov = self._score(request, rows, names, scale)
+        best = min(cost, default=_INF)
+        if best == _INF:
+            _raise_none(workers)
+        P = request.prompt_blocks
+        if apos:
+            # the affine worker among the near-minimum ones: most overlap, then cheapest, then
+            # random — one plain pass (affine workers are few; generators cost more than the work)
+            limit = best * (1.0 + cfg.tolerance) + cfg.tolerance_blocks + _EPS
+            pick_o = -1
+            cmin = _INF
+            cand: list[int] = []
+            for i, o in zip(apos, aov):
+                c = cost[i]
+                if c > limit or o < pick_o:
+                    continue
+                if o > pick_o:
+                    pick_o, cmin, cand = o, c, [i]
+                else:
+                    cand.append(i)
+                    if c < cmin:
+                        cmin = c
+            if cand:
+                ties = cand if len(cand) < 2 else sorted(i for i in cand if cost[i] <= cmin + _EPS)
+                i = ties[0] if len(ties) == 1 else rng.choice(ties)
+                return self._affine(workers[i], pick_o, P, cost[i], best)
+        lim = best + _EPS
+        mins = [i for i, c in enumerate(cost) if c <= lim]
+        return self._cheapest(request, workers, mins, rng, best)
+
+    def _affine(self, w: WorkerView, o: float, P: int, c: float, best: float) -> Decision:
+        return Decision(w.name, w.url, self.name,
+                        ("overlap={}/{} blocks, cost={:.1f} (min {:.1f})", int(o), P, float(c), best))
+
+    def _cheapest(self, request: RouteRequest, workers: Sequence[WorkerView], mins: list[int],
+                  rng: random.Random, best: float) -> Decision:
+        i = mins[0] if len(mins) == 1 else rng.choice(mins)
+        w = workers[i]
+        P = request.prompt_blocks
+        o = min(request.overlap.get(w.name, 0), P) if request.overlap else 0
+        return Decision(w.name, w.url, self.name,
+                        ("overlap={}/{} blocks, cost={:.1f} = min of {}{}", o, P, best, len(workers),
+                         f" ({len(mins)} tied)" if len(mins) > 1 else ""))
+
+    def _score(self, request: RouteRequest, rows: list[Row], names: Sequence[str],
+               scale: list[float] | None) -> tuple[list[float], list[int], list[int]]:
+        """(cost per position, inf for down ones; positions of affine workers; their overlaps)."""
+        cfg = self.config
+        P = request.prompt_blocks
+        ow = cfg.kv_overflow_weight
+        ew = cfg.eviction_weight
+        min_o = max(1, cfg.min_overlap_blocks)
         out: list[float] = []
         apos: list[int] = []
         aov: list[int] = []
         append = out.append
-        ovget = ovmap.get if ovmap else None
+        ovget = request.overlap.get if request.overlap else None
         i = -1
-        for (down, b, hr, _, room, fu), name in zip(rows, names):
+        for (b, k, hr, _, room), name in zip(rows, names):
             i += 1
-            if down:
-                append(_INF)
-                continue
             o = ovget(name, 0) if ovget is not None else 0
-            if o >= min_o:
+            if o >= min_o and b != _INF:
                 if o > P:
                     o = P
                 apos.append(i)
@@ -238,7 +249,7 @@ class KvAware:
                 new = P - o
             else:
                 new = P
-            c = b + (k + fu) * new
+            c = k * new + b
             if new > hr:
                 c += ow * (new - hr)
             if new > room:
@@ -248,61 +259,84 @@ class KvAware:
             out = [c * f for c, f in zip(out, scale)]
         return out, apos, aov
 
-    @staticmethod
-    def _score_numpy(cols: Columns, fleet: FleetView, ovmap: Any, P: int, k: float, ow: float, ew: float,
-                     min_o: int, scale: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        down, base, headroom, _cap, room, fu = cols.arrays
-        cost = base + (k + fu) * P
-        hmin = cols.extra.get("hmin")
-        if hmin is None:
-            hmin = cols.extra["hmin"] = float(headroom.min())
-            cols.extra["rmin"] = float(room.min())
+    def _cost_numpy(self, request: RouteRequest, fleet: FleetView,
+                    cols: Columns) -> tuple[np.ndarray, np.ndarray | None]:
+        """The cost vector of a large fleet (inf for down workers) and the overlap vector (None when
+        the request overlaps no worker) — a dozen vectorised operations whatever the fleet size."""
+        cfg = self.config
+        P = request.prompt_blocks
+        base, slope, headroom, _cap, room = cols.arrays
+        ovmap = request.overlap
+        m = len(ovmap) if ovmap else 0
+        if m:
+            n = len(base)
+            o = np.zeros(n + 1)  # slot n takes the names no longer in the fleet (position −1)
+            o[np.fromiter(map(fleet.position_or_minus_one, ovmap), np.intp, m)] = np.fromiter(
+                ovmap.values(), np.float64, m)
+            o = o[:n]
+            np.minimum(o, P, out=o)
+            min_o = max(1, cfg.min_overlap_blocks)
+            if min_o > 1:
+                o[o < min_o] = 0.0
+            new: Any = P - o
+            cost = slope * new
+        else:
+            o, new = None, P
+            cost = slope * P
+        cost += base
+        ex = cols.extra
+        hmin = ex.get("hmin")
+        if hmin is None or P > hmin:  # (re)compute the exact minimum before paying for the term
+            hmin = ex["hmin"] = float(headroom.min())
         if P > hmin:
-            cost += ow * np.maximum(P - headroom, 0.0)
-        if P > cols.extra["rmin"]:
-            cost += ew * np.clip(P - room, 0.0, P)
+            cost += cfg.kv_overflow_weight * np.maximum(new - headroom, 0.0)
+        rmin = ex.get("rmin")
+        if rmin is None or P > rmin:
+            rmin = ex["rmin"] = float(room.min())
+        if P > rmin:
+            cost += cfg.eviction_weight * np.minimum(np.maximum(new - room, 0.0), new)
+        scale = ex.get("scale", False)
+        if scale is False:
+            scale = ex["scale"] = self._scales_numpy(cols)
         if scale is not None:
             cost *= scale
-        anydown = cols.extra.get("anydown")
-        if anydown is None:
-            anydown = cols.extra["anydown"] = bool(down.any())
-        if anydown:
-            cost[down > 0] = _INF
-        m = len(ovmap)
-        if not m:
-            return cost, _EMPTY_I, _EMPTY_F
-        pos = np.fromiter(map(fleet.position_or_minus_one, ovmap), np.intp, m)
-        ov = np.fromiter(ovmap.values(), np.float64, m)
-        keep = (pos >= 0) & (ov >= min_o)
-        pos, ov = pos[keep], ov[keep]
-        if anydown:
-            keep = down[pos] == 0
-            pos, ov = pos[keep], ov[keep]
-        if len(pos):
-            np.minimum(ov, P, out=ov)
-            new = P - ov
-            c = (base[pos] + (k + fu[pos]) * new + ow * np.maximum(new - headroom[pos], 0.0)
-                 + ew * np.minimum(np.maximum(new - room[pos], 0.0), new))
-            if scale is not None:
-                c *= scale[pos]
-            cost[pos] = c
-        return cost, pos, ov
+        return cost, o
+
+    def _choose_numpy(self, request: RouteRequest, fleet: FleetView, cols: Columns,
+                      rng: random.Random) -> Decision:
+        cfg = self.config
+        cost, o = self._cost_numpy(request, fleet, cols)
+        best = float(cost.min())
+        if best == _INF:
+            _raise_none(fleet)
+        if o is not None:
+            limit = best * (1.0 + cfg.tolerance) + cfg.tolerance_blocks + _EPS
+            near = np.where(cost <= limit, o, 0.0)
+            omax = float(near.max())
+            if omax >= max(1, cfg.min_overlap_blocks):
+                cand = np.flatnonzero(near == omax)
+                if len(cand) > 1:
+                    cc = cost[cand]
+                    cand = cand[cc <= cc.min() + _EPS]
+                i = int(cand[0]) if len(cand) == 1 else rng.choice(cand.tolist())
+                return self._affine(fleet[i], omax, request.prompt_blocks, cost[i], best)
+        return self._cheapest(request, fleet, np.flatnonzero(cost <= best + _EPS).tolist(), rng, best)
 
     def _scales_numpy(self, cols: Columns) -> np.ndarray | None:
-        """`_scales` over cached columns, vectorised (recomputed after any row changes)."""
+        """`_scales` over cached columns, vectorised (recomputed after a capacity changes)."""
         if not self.config.normalize_by_capacity:
             return None
-        down, _, _, cap, _, _ = cols.arrays
-        known = cap[(cap > 0) & (down == 0)]
+        base, _, _, cap, _ = cols.arrays
+        known = cap[(cap > 0) & (base != _INF)]
         if not len(known) or known.min() == known.max():
             return None
         return np.where(cap > 0, known.mean() / np.where(cap > 0, cap, 1.0), 1.0)
 
-    def _scales(self, rows: list[tuple[float, ...]]) -> list[float] | None:
+    def _scales(self, rows: list[Row]) -> list[float] | None:
         """Per-worker factor mean_cap / cap_w (1 for unknown capacity), or None when all are 1."""
         if not self.config.normalize_by_capacity:
             return None
-        known = [r[3] for r in rows if r[3] > 0 and not r[0]]
+        known = [r[3] for r in rows if r[3] > 0 and r[0] != _INF]
         if not known or min(known) == max(known):
             return None
         mean = sum(known) / len(known)

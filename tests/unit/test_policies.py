@@ -352,6 +352,20 @@ def test_fleet_view_decides_exactly_like_a_plain_list(n):
         a = policy.choose(r, views, random.Random(trial))
         b = policy.choose(r, fv, random.Random(trial))
         assert (a.worker, a.reason) == (b.worker, b.reason)
+        # fleet-wide figures follow too: a capacity change (scale), a worker going down, a nearly
+        # full one (the overflow/eviction pre-checks)
+        picked = fv.get(b.worker)
+        for changed in (replace(target, kv_total_blocks=rng.choice([1024, 16384, 0])),
+                        replace(fv[rng.randrange(n)], state="down"),
+                        replace(picked, kv_total_blocks=64, kv_active_blocks=63, hot_blocks=64)):
+            fv.update(changed)
+            views = [changed if v.name == changed.name else v for v in views]
+            if all(v.state == "down" for v in views):
+                break
+            a = policy.choose(r, views, random.Random(trial))
+            b = policy.choose(r, fv, random.Random(trial))
+            assert (a.worker, a.reason) == (b.worker, b.reason)
+            assert policy.costs(r, views) == pytest.approx(policy.costs(r, fv))
 
 
 def test_fleet_view_rejects_duplicate_names_and_supports_removal():
