@@ -46,6 +46,7 @@ from ray.serve.config import RequestRouterConfig
 
 from bench.loadgen import Target
 from serve_app.proxy import UpstreamClient, UpstreamError, forward_headers
+from serve_app.ray_env import apply_serve_env
 
 log = logging.getLogger("bench.targets")
 logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -243,6 +244,7 @@ class BenchFleet:
         # Ray workers must import `bench` (the Serve deployments below live here)
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
         if not ray.is_initialized():
+            apply_serve_env()  # the transport `kvroute serve` runs with (every Serve target here)
             self.progress("starting Ray (local) …")
             ray.init(namespace="kvroute", include_dashboard=False, logging_level=logging.WARNING,
                      log_to_driver=self.verbose)

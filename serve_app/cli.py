@@ -14,6 +14,7 @@ from typing import Any
 
 from actors.fleet import FleetError, FleetSpec, load_fleet, parse_fleet
 from serve_app.config import ADMIN_KEY_ENV, API_KEY_ENV, RouterConfig
+from serve_app.ray_env import apply_serve_env
 
 log = logging.getLogger("kvroute.cli")
 
@@ -67,6 +68,8 @@ class FleetRunner:
                 if key:
                     os.environ[env] = key
         if not ray.is_initialized():
+            if not self.address:
+                apply_serve_env()  # a cluster's nodes carry it themselves (cluster.yaml, KubeRay env)
             self.progress(f"starting Ray ({'joining ' + self.address if self.address else 'local'}) …")
             ray.init(address=self.address, namespace="kvroute", include_dashboard=False,
                      logging_level=logging.WARNING, log_to_driver=self.verbose)

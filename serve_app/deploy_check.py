@@ -22,6 +22,8 @@ from typing import Any, Iterable
 
 import yaml
 
+from serve_app.ray_env import SERVE_ENV
+
 # Custom Ray resources that steer placement (kvroute's contract with cluster configs):
 HEAD_RESOURCE = "kvroute_head"  # only the head node has it; KvRouter replicas and the aggregator request it
 SLOT_RESOURCE = "sglang_slot"  # one unit per SGLang engine a node can host; managed workers request 1
@@ -399,7 +401,35 @@ def _cluster_rules(config: dict[str, Any], ray_version: str) -> list[str]:
                 if g.resources.get("GPU", 0) > 0:
                     gpu.add(where)
         errors += _image_errors(images, gpu, ray_version)
+        common = docker.get("run_options") or []
+        errors += _serve_env_errors({
+            "head (docker.run_options + head_run_options)": _docker_env(common + (docker.get("head_run_options") or [])),
+            "workers (docker.run_options + worker_run_options)":
+                _docker_env(common + (docker.get("worker_run_options") or [])),
+        })
     return errors
+
+
+def _docker_env(options: list[Any]) -> dict[str, str]:
+    """`--env K=V` / `-e K=V` entries of docker run options."""
+    out: dict[str, str] = {}
+    words = [w for o in options if isinstance(o, str) for w in o.split()]
+    for flag, value in zip(words, words[1:]):
+        if flag in ("--env", "-e") and "=" in value:
+            k, v = value.split("=", 1)
+            out[k] = v
+    return out
+
+
+def _serve_env_errors(envs: dict[str, dict[str, str]]) -> list[str]:
+    """Every Ray node/container must agree on kvroute's Serve transport (`serve_app.ray_env`): a
+    proxy that calls replicas over gRPC cannot reach replicas started without it."""
+    seen = {where: {k: env[k] for k in SERVE_ENV if k in env} for where, env in envs.items()}
+    if len({tuple(sorted(v.items())) for v in seen.values()}) <= 1:
+        return []
+    detail = "; ".join(f"{where}: {v or 'none'}" for where, v in seen.items())
+    return [f"the Serve transport settings ({', '.join(SERVE_ENV)}) differ between nodes — set the same "
+            f"on every node (see serve_app/ray_env.py): {detail}"]
 
 
 def _group_rules(groups: list[NodeGroup], where: str) -> list[str]:
@@ -559,6 +589,12 @@ def check_rayservice(docs: Any, source: str = "rayservice") -> dict[str, Any]:
                     gpu_images.add(where)
     if groups and groups[0].head:
         errors += _group_rules(groups, "spec.rayClusterConfig")
+    envs: dict[str, dict[str, str]] = {}
+    for g, s in zip(groups, [head_spec] + list(cluster.get("workerGroupSpecs") or [])):
+        for c in (((s or {}).get("template") or {}).get("spec") or {}).get("containers") or []:
+            envs[f"{g.name} container {c.get('name')!r}"] = {
+                e["name"]: str(e.get("value", "")) for e in c.get("env") or [] if isinstance(e, dict) and "name" in e}
+    errors += _serve_env_errors(envs)
     errors += _image_errors(images, gpu_images, ray.__version__)
     text = spec.get("serveConfigV2")
     if not isinstance(text, str):

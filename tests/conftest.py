@@ -23,6 +23,9 @@ def ray_cluster():
     import ray
 
     if not ray.is_initialized():
+        from serve_app.ray_env import apply_serve_env
+
+        apply_serve_env()  # the Serve transport kvroute runs with
         ray.init(num_cpus=8, namespace="kvroute", include_dashboard=False, log_to_driver=False)
     yield ray
     try:

@@ -346,3 +346,46 @@ def test_module_imports_without_ray():
     code = "import sys, serve_app.deploy_check; sys.exit('ray' in sys.modules)"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env).returncode == 0
+
+
+# ------------------------------------------------------------------ the Serve transport on every node
+
+
+def _svc(docs: list) -> dict:
+    return next(d for d in docs if isinstance(d, dict) and d.get("kind") == "RayService")
+
+
+def test_shipped_cluster_files_run_kvroutes_serve_transport_on_every_node(cluster_raw, rayservice_docs):
+    from serve_app.deploy_check import _docker_env
+    from serve_app.ray_env import SERVE_ENV
+
+    assert {k: v for k, v in _docker_env(cluster_raw["docker"]["run_options"]).items() if k in SERVE_ENV} == SERVE_ENV
+    cluster = _svc(rayservice_docs)["spec"]["rayClusterConfig"]
+    specs = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    for s in specs:
+        for c in s["template"]["spec"]["containers"]:
+            env = {e["name"]: e.get("value") for e in c["env"]}
+            assert {k: v for k, v in env.items() if k in SERVE_ENV} == SERVE_ENV, c["name"]
+
+
+def test_a_node_without_the_serve_transport_is_rejected(cluster_raw, rayservice_docs):
+    cfg = copy.deepcopy(cluster_raw)
+    cfg["docker"]["worker_run_options"] = ["--env RAY_SERVE_PROXY_USE_GRPC=0"]
+    msg = _errors(check_cluster_config, cfg)
+    assert "RAY_SERVE_PROXY_USE_GRPC" in msg and "differ between nodes" in msg and "workers" in msg
+
+    docs = copy.deepcopy(rayservice_docs)
+    worker = _svc(docs)["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    worker["env"] = [e for e in worker["env"] if not e["name"].startswith("RAY_SERVE_")]
+    msg = _errors(check_rayservice, docs)
+    assert "differ between nodes" in msg and "ray-worker" in msg and "none" in msg
+
+
+def test_apply_serve_env_keeps_what_the_operator_set():
+    from serve_app.ray_env import SERVE_ENV, apply_serve_env
+
+    env = {"RAY_SERVE_PROXY_USE_GRPC": "0"}
+    got = apply_serve_env(env)
+    assert got["RAY_SERVE_PROXY_USE_GRPC"] == "0" and env["RAY_SERVE_PROXY_USE_GRPC"] == "0"
+    assert all(env[k] == v for k, v in SERVE_ENV.items() if k != "RAY_SERVE_PROXY_USE_GRPC")
+    assert int(SERVE_ENV["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"]) > 8 * 1024 * 1024  # hostile-header tests
