@@ -143,8 +143,7 @@ def run(workload: str, rate: float, duration_s: float, policy: str, *, seed: int
     """Drive one trace through `workers` simulated engines routed by `policy`."""
     k = knobs or Knobs()
     eng = {**ENGINE, **(engine or {})}
-    cfg = EngineConfig(page_size=eng["page_size"], max_total_num_tokens=eng["max_total_num_tokens"],
-                       max_running_requests=eng["max_running_requests"])
+    cfg = EngineConfig(**{k: v for k, v in eng.items() if k != "time_scale"})
     now = 0.0
     events: list[tuple[float, int, str, Any]] = []
     seq = itertools.count()

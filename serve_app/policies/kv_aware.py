@@ -12,8 +12,9 @@ For each routable worker w, in blocks of B = `request.block_tokens` tokens:
                                                             (slot term only when total_slots > 0)
     over     = max(0, kv − kv_high_watermark·kv_total_blocks·page_size/B)
                                                             (only when kv_total_blocks > 0)
-    room     = kv_total_blocks·page_size/B − max(kv_active_blocks·page_size/B + pending_kv_blocks,
-                                                 hot_blocks)
+    total    = kv_total_blocks·page_size/B
+    room     = min(total − (kv_active_blocks·page_size/B + pending_kv_blocks),
+                   kv_high_watermark·total − hot_blocks)
     evict    = min(new, max(0, new − room))                  hot cached blocks this prompt pushes out
                                                             (only when kv_total_blocks > 0)
     raw      = prefill_weight·prefill + kv + queued_request_blocks·queued + kv_overflow_weight·over
@@ -27,7 +28,10 @@ are this router's dispatches that report cannot show yet and `remote_pending` ot
 (see `serve_app.ledger`). `hot_blocks` are the blocks this router reused on w lately or first sent
 there just now (`serve_app.prefix_index.PrefixIndex.hot_blocks`): prefixes that a new prompt would evict
 and that would then be prefilled again, so a cold prompt goes where it displaces the least of them
-(what keeps two hot system prompts from sharing a cache that holds one and a half).
+(what keeps two hot system prompts from sharing a cache that holds one and a half). The hot set
+must leave (1 − kv_high_watermark) of the pool to the running requests' own blocks: a worker whose
+hot prefixes already fill it to the watermark is full for another prefix even while its running
+requests hold little.
 `recent_finished` counts requests that finished on w within the ledger's follow-up window: their
 next turns are about to arrive there and would wait behind this prompt's `new` blocks of prefill,
 so a cold prompt avoids the worker whose conversations are between turns. Choice: let c* = min cost; the near set is every w with
@@ -140,7 +144,7 @@ class KvAware:
         if w.kv_total_blocks:
             total = w.kv_total_blocks * ps
             headroom = cfg.kv_high_watermark * total - kv0
-            room = total - max(kv0, w.hot_blocks)
+            room = min(total - kv0, cfg.kv_high_watermark * total - w.hot_blocks)
             cap = float(w.kv_total_blocks * w.page_size)
         else:
             headroom, room, cap = _INF, _INF, 0.0

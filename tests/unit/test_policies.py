@@ -264,6 +264,20 @@ def test_a_cold_prompt_goes_where_it_evicts_no_reused_prefix():
     assert KvAware().choose(req(4096, {"w0": 250}), ws, random.Random(0)).worker == "w0"
 
 
+def test_hot_prefixes_must_leave_the_running_requests_room():
+    """The benchmark's 4-worker fleet (768 blocks of 16 tokens each) with 4k-token system prompts:
+    w0's two hot prompts hold 512 blocks, below the pool but above what leaves the watermark's 10 %
+    to its running requests, while w1 holds one and two of its requests just finished. A third
+    prompt on w0 would keep evicting the other two (its running requests need room too), so the
+    cold prompt goes to w1 despite its follow-up price — in live runs w0 took it and thrashed."""
+    ws = [worker("w0", kv_total_blocks=768, hot_blocks=512, kv_active_blocks=300),
+          worker("w1", kv_total_blocks=768, hot_blocks=256, kv_active_blocks=280, recent_finished=2)]
+    assert {KvAware().choose(req(4224), ws, random.Random(s)).worker for s in range(40)} == {"w1"}
+    # with the whole pool as room the follow-up price wins and w0 takes its third prefix
+    no_watermark = KvAware(KvAwareConfig(kv_high_watermark=1.0))
+    assert {no_watermark.choose(req(4224), ws, random.Random(s)).worker for s in range(40)} == {"w0"}
+
+
 def test_a_cold_prompt_avoids_the_worker_whose_conversations_are_between_turns():
     """w0 just finished 6 requests (their next turns are coming back there); a cold 4k prompt
     would make them wait behind its prefill, so it goes to w1 — while w0's own follow-up stays."""
