@@ -8,7 +8,10 @@ now in its `running`/`waiting`/`kv_active` figures); the rest stays *pending* an
 the report. For an `idle` worker the report is not load at all, so every in-flight request counts.
 
 Per request, in blocks of the router's block size:
-- prefill blocks = prompt blocks − cached blocks, counted until the first token (`on_first_token`);
+- prefill blocks = prompt blocks − cached blocks, counted until the first token (`on_first_token`)
+  whether or not a report absorbed the request: a report shows a request in prefill as a slot and
+  its KV, never as the work left, so a worker that just started a long prefill must not look free
+  (the report's `waiting` is reduced by those requests instead, not to count them twice);
 - KV blocks = the same new blocks, counted until the request ends (the engine holds them).
 
 Requests end between reports too: SGLang reports every 40 decode steps, so a short request can
@@ -60,12 +63,13 @@ class LedgerView(NamedTuple):
 
     in_flight: int  # this replica's in-flight requests, all of them
     pending: int  # of those, the ones the report can't show (idle: all)
-    pending_prefill_blocks: int  # prompt blocks of pending requests not yet past first token
+    pending_prefill_blocks: int  # prompt blocks of this replica's requests not yet past first token
     pending_kv_blocks: int  # KV blocks of pending requests
     remote_pending: int  # other replicas' pending requests on this worker
     finished: int = 0  # requests the last report counts that have finished since
     finished_kv_blocks: int = 0  # their KV blocks
     recent_finished: int = 0  # requests finished within followup_window_s (follow-ups expected)
+    prefilling_reported: int = 0  # absorbed by the last report, still before first token
 
 
 class _Req:
@@ -82,7 +86,7 @@ class _Req:
 
 
 class _Worker:
-    __slots__ = ("in_flight", "prefill", "kv", "pending", "pending_prefill", "pending_kv",
+    __slots__ = ("in_flight", "prefill", "kv", "pending", "pending_kv", "prefilling_reported",
                  "queue", "reported_at", "gone", "gone_n", "gone_kv", "recent")
 
     def __init__(self) -> None:
@@ -90,8 +94,8 @@ class _Worker:
         self.prefill = 0  # all in-flight, not yet prefilled
         self.kv = 0  # all in-flight
         self.pending = 0  # not absorbed by a report
-        self.pending_prefill = 0
         self.pending_kv = 0
+        self.prefilling_reported = 0  # absorbed, not yet prefilled
         self.queue: deque[_Req] = deque()  # not-yet-absorbed requests in routing order
         self.reported_at = float("-inf")
         self.gone: deque[tuple[float, int]] = deque()  # (end time, kv) of absorbed ones that ended
@@ -149,7 +153,6 @@ class Ledger:
         w.prefill += new
         w.kv += new
         w.pending += 1
-        w.pending_prefill += new
         w.pending_kv += new
         w.queue.append(r)
         self._dirty.add(worker)
@@ -165,8 +168,8 @@ class Ledger:
         if w is None:
             return
         w.prefill -= r.prefill
-        if not r.absorbed:
-            w.pending_prefill -= r.prefill
+        if r.absorbed:
+            w.prefilling_reported -= 1
         self._dirty.add(r.worker)
 
     def on_finished(self, request_id: str) -> None:
@@ -205,7 +208,7 @@ class Ledger:
             r.absorbed = True
             w.pending -= 1
             if not r.prefilled:
-                w.pending_prefill -= r.prefill
+                w.prefilling_reported += 1
             w.pending_kv -= r.kv
             changed = True
         if changed:
@@ -221,8 +224,8 @@ class Ledger:
             return LedgerView(0, 0, 0, 0, remote)
         if idle:
             return LedgerView(w.in_flight, w.in_flight, w.prefill, w.kv, remote, 0, 0, len(w.recent))
-        return LedgerView(w.in_flight, w.pending, w.pending_prefill, w.pending_kv, remote,
-                          w.gone_n, w.gone_kv, len(w.recent))
+        return LedgerView(w.in_flight, w.pending, w.prefill, w.pending_kv, remote,
+                          w.gone_n, w.gone_kv, len(w.recent), w.prefilling_reported)
 
     def in_flight(self, worker: str) -> int:
         w = self._workers.get(worker)
@@ -244,6 +247,8 @@ class Ledger:
                 waiting = max(0, waiting - (gone - running))
             running = max(0, running - gone)
             kv = max(0, kv - -(-lv.finished_kv_blocks * self.block_tokens // max(1, v.page_size)))
+        if lv.prefilling_reported:  # their prefill is in pending_prefill_blocks already
+            waiting = max(0, waiting - lv.prefilling_reported)
         return WorkerView(v.name, v.url, v.state, v.page_size, running, v.total_slots, waiting,
                           kv, v.kv_total_blocks, *lv[:5], v.hot_blocks, lv.recent_finished)
 
@@ -334,6 +339,8 @@ class Ledger:
         w.kv -= r.kv
         if not r.prefilled:
             w.prefill -= r.prefill
+            if r.absorbed:
+                w.prefilling_reported -= 1
         if r.absorbed:  # the last report counts it: take it back out until a newer report
             w.gone.append((now, r.kv))
             w.gone_n += 1
@@ -341,8 +348,6 @@ class Ledger:
         else:
             w.pending -= 1
             w.pending_kv -= r.kv
-            if not r.prefilled:
-                w.pending_prefill -= r.prefill
             # finished entries stay in the queue until a report pops them; compact when they
             # dominate (a worker that never reports must not grow the queue without bound)
             if len(w.queue) > 2 * w.pending + 64:

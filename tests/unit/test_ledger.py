@@ -63,9 +63,14 @@ def test_a_report_absorbs_dispatches_routed_before_it_minus_latency(ledger, cloc
     ledger.on_report("w", at=clock.t)  # "recent" is only 50 ms old: maybe not in the report yet
     v = ledger.view("w")
     assert v.in_flight == 2  # still in flight, both
-    assert (v.pending, v.pending_prefill_blocks, v.pending_kv_blocks) == (1, 20, 20)
+    # pending: only "recent" is news to the report; prefill: both are before their first token
+    assert (v.pending, v.pending_prefill_blocks, v.pending_kv_blocks) == (1, 30, 20)
     clock.t += 0.2
     ledger.on_report("w", at=clock.t)
+    # both in the report now; their prefill still counts (a report never shows the work left)
+    assert ledger.view("w") == LedgerView(2, 0, 30, 0, 0, prefilling_reported=2)
+    ledger.on_first_token("old")
+    ledger.on_first_token("recent")
     assert ledger.view("w") == LedgerView(2, 0, 0, 0, 0)
     ledger.on_finished("old")
     ledger.on_finished("recent")
@@ -85,6 +90,7 @@ def test_requests_ending_after_the_report_leave_its_figures(clock):
     ledger = Ledger(LedgerConfig(report_latency_s=0.1), block_tokens=16, clock=clock)
     for i in range(3):
         ledger.on_routed(f"r{i}", "w", 8)
+        ledger.on_first_token(f"r{i}")  # decoding
     clock.t += 0.5
     ledger.on_report("w", at=clock.t)  # the report shows the three as running
     reported = WorkerView("w", "u", "live", page_size=16, running=3, total_slots=32, waiting=1,
@@ -211,3 +217,26 @@ def test_a_worker_that_never_reports_keeps_bounded_state_and_fast_events(ledger,
     assert len(ledger._workers["silent"].queue) <= 64 + 1  # compacted, not 20k entries
     assert len(ledger._workers["silent"].recent) <= 1001
     assert per_request_us < 100
+
+
+def test_a_long_prefill_keeps_counting_after_a_report_absorbs_it(clock):
+    """A report produced while a 2k-token prompt is prefilling shows it as a slot (or a waiting
+    request) and its KV, not as the ~120 ms of prefill left: the ledger keeps the prefill until the
+    first token, and takes it out of the report's waiting count instead of counting it twice."""
+    ledger = Ledger(LedgerConfig(report_latency_s=0.1), block_tokens=16, clock=clock)
+    ledger.on_routed("a", "w", 128)
+    ledger.on_routed("b", "w", 128)
+    clock.t += 0.5
+    ledger.on_report("w", at=clock.t)
+    reported = WorkerView("w", "u", "live", page_size=16, running=1, total_slots=32, waiting=2,
+                          kv_active_blocks=128, kv_total_blocks=768)
+    v = ledger.apply(reported)
+    assert (v.pending, v.pending_prefill_blocks, v.pending_kv_blocks) == (0, 256, 0)
+    assert (v.running, v.waiting) == (1, 0)  # a and b are ours: waiting keeps only another client's
+    ledger.on_first_token("a")
+    v = ledger.apply(reported)
+    assert (v.pending_prefill_blocks, v.waiting) == (128, 1)
+    ledger.on_failed("b")  # broke before its first token: its prefill leaves with it
+    v = ledger.apply(reported)
+    assert v.pending_prefill_blocks == 0 and v.running + v.waiting == 2  # a + the other client's
+    assert ledger.view("w").prefilling_reported == 0
