@@ -35,7 +35,8 @@ class WorkerView:
     in_flight: int = 0  # dispatched by this router replica and not yet finished (all of them)
     # ledger: dispatched by this replica and not visible in the last report (idle: all in-flight)
     pending: int = 0
-    pending_prefill_blocks: int = 0  # prompt blocks still to prefill (before first token)
+    pending_prefill_blocks: int = 0  # prompt blocks still to prefill: every request of this
+    # replica before its first token, absorbed by a report or not (a report never shows that work)
     pending_kv_blocks: int = 0  # KV blocks those requests hold or will hold
     remote_pending: int = 0  # the same count from other router replicas (sizes unknown)
     # prefix index: blocks this router reused on the worker lately, or first sent there just now

@@ -23,9 +23,10 @@ For each routable worker w, in blocks of B = `request.block_tokens` tokens:
                                                             routable workers that report one; workers
                                                             without one keep raw (normalize_by_capacity)
 
-`running`, `waiting`, `kv_active_blocks` are the worker's last report (zero when `idle`); `pending*`
-are this router's dispatches that report cannot show yet and `remote_pending` other replicas'
-(see `serve_app.ledger`). `hot_blocks` are the blocks this router reused on w lately or first sent
+`running`, `waiting`, `kv_active_blocks` are the worker's last report (zero when `idle`); `pending`,
+`pending_kv_blocks` this router's dispatches that report cannot show yet, `pending_prefill_blocks`
+the prefill left of all its requests before their first token, and `remote_pending` other replicas'
+dispatches (see `serve_app.ledger`). `hot_blocks` are the blocks this router reused on w lately or first sent
 there just now (`serve_app.prefix_index.PrefixIndex.hot_blocks`): prefixes that a new prompt would evict
 and that would then be prefilled again, so a cold prompt goes where it displaces the least of them
 (what keeps two hot system prompts from sharing a cache that holds one and a half). The hot set
