@@ -17,8 +17,9 @@ For each routable worker w, in blocks of B = `request.block_tokens` tokens:
                    kv_high_watermark·total − hot_blocks)
     evict    = min(new, max(0, new − room))                  hot cached blocks this prompt pushes out
                                                             (only when kv_total_blocks > 0)
+    live     = hot_blocks · new / P                          live prefixes this cold share queues ahead of
     raw      = prefill_weight·prefill + kv + queued_request_blocks·queued + kv_overflow_weight·over
-               + eviction_weight·evict + followup_weight·recent_finished·new
+               + eviction_weight·evict + live_weight·live + followup_weight·recent_finished·new
     cost     = raw · mean_cap / cap_w                        cap_w = kv_total_blocks·page_size; mean over
                                                             routable workers that report one; workers
                                                             without one keep raw (normalize_by_capacity)
@@ -32,10 +33,15 @@ and that would then be prefilled again, so a cold prompt goes where it displaces
 (what keeps two hot system prompts from sharing a cache that holds one and a half). The hot set
 must leave (1 − kv_high_watermark) of the pool to the running requests' own blocks: a worker whose
 hot prefixes already fill it to the watermark is full for another prefix even while its running
-requests hold little.
-`recent_finished` counts requests that finished on w within the ledger's follow-up window: their
-next turns are about to arrive there and would wait behind this prompt's `new` blocks of prefill,
-so a cold prompt avoids the worker whose conversations are between turns. Choice: let c* = min cost; the near set is every w with
+requests hold little. The same hot set prices *time*: the prefixes live on w (conversations,
+shared system prompts) send their next requests there, and each would wait behind this prompt's
+`new` blocks of prefill; hot_blocks / P estimates how many such sessions w carries (in units of
+this prompt), so `live` charges a cold prompt for the sessions it would hold up and costs an affine
+follow-up (small new / P) almost nothing. That is what sends a conversation's first turn to the
+worker with the fewest conversations in flight rather than to the one that only looks idle
+because its conversations are between turns.
+`recent_finished` counts requests that finished on w within the ledger's follow-up window (an
+older, noisier estimate of the same thing; `followup_weight` is 0 by default). Choice: let c* = min cost; the near set is every w with
 cost ≤ c*·(1 + tolerance) + tolerance_blocks. If some near worker has o ≥ min_overlap_blocks, pick
 the near worker with the largest o (then the lowest cost, then at random); otherwise pick at random
 among the workers whose cost equals c*. Affinity therefore never beats load blindly: a hot prefix
@@ -83,14 +89,19 @@ class KvAwareConfig:
     eviction_weight: float = 5.0
     """Cost per hot cached block a prompt would evict (`evict`): they are prefilled again when
     their prefix comes back, so the default is one prefill (prefill_weight + 1 for its KV)."""
-    followup_weight: float = 0.3
+    live_weight: float = 4.0
+    """Cost per hot block of the worker times this prompt's cold share (new / P): each live
+    session there waits behind the new prefill, one prefill-weighted block per block of it."""
+    followup_weight: float = 0.0
     """Cost per block of new prefill per request that finished on the worker within the
-    ledger's follow-up window (expected follow-ups that would wait behind it)."""
+    ledger's follow-up window (expected follow-ups that would wait behind it). Off by default:
+    `live_weight` estimates the same from the hot set, steadier than a 1-second count (virtual-time
+    multi-turn TTFT p50 79 → 27 ms at 16 req/s, `bench/results/routesim.md`)."""
 
     def __post_init__(self) -> None:
         for f in ("prefill_weight", "queued_request_blocks", "remote_request_blocks",
                   "kv_overflow_weight", "tolerance", "tolerance_blocks", "eviction_weight",
-                  "followup_weight"):
+                  "live_weight", "followup_weight"):
             if getattr(self, f) < 0:
                 raise ValueError(f"KvAwareConfig.{f} must be ≥ 0, got {getattr(self, f)}")
         if not 0 < self.kv_high_watermark <= 1:
@@ -100,7 +111,7 @@ class KvAwareConfig:
 _INF = float("inf")
 _NUMPY_FROM = 48  # fleets at least this large are scored with numpy (fixed overhead ≈ 8 µs)
 
-Row = tuple[float, float, float, float, float]
+Row = tuple[float, float, float, float, float, float]
 
 
 def _on_row_set(cols: Columns, old: Row, new: Row) -> None:
@@ -116,6 +127,8 @@ def _on_row_set(cols: Columns, old: Row, new: Row) -> None:
     r = ex.get("rmin")
     if r is not None and new[4] < r:
         ex["rmin"] = new[4]
+    if new[5] and ex.get("anyhot") is False:
+        ex["anyhot"] = True
 
 
 class KvAware:
@@ -129,9 +142,10 @@ class KvAware:
         self._rowfns: dict[int, Callable[[WorkerView], Row]] = {}
 
     def row(self, w: WorkerView, block_tokens: int) -> Row:
-        """(base, slope, headroom, capacity_tokens, room) of one worker, base = inf when it is
-        down: cost(new) = scale·(base + slope·new + kv_overflow_weight·max(0, new − headroom)
-                                 + eviction_weight·min(new, max(0, new − room)))."""
+        """(base, slope, headroom, capacity_tokens, room, hot) of one worker, base = inf when it
+        is down: cost(new) = scale·(base + (slope + live_weight·hot/P)·new
+                                    + kv_overflow_weight·max(0, new − headroom)
+                                    + eviction_weight·min(new, max(0, new − room)))."""
         cfg = self.config
         ps = w.page_size / block_tokens
         kv0 = w.kv_active_blocks * ps + w.pending_kv_blocks
@@ -150,7 +164,8 @@ class KvAware:
         else:
             headroom, room, cap = _INF, _INF, 0.0
         return (_INF if w.state == "down" else base,
-                cfg.prefill_weight + 1.0 + cfg.followup_weight * w.recent_finished, headroom, cap, room)
+                cfg.prefill_weight + 1.0 + cfg.followup_weight * w.recent_finished, headroom, cap, room,
+                float(w.hot_blocks))
 
     def _columns(self, fleet: FleetView, block_tokens: int) -> Columns:
         fn = self._rowfns.get(block_tokens)
@@ -242,8 +257,9 @@ class KvAware:
         aov: list[int] = []
         append = out.append
         ovget = request.overlap.get if request.overlap else None
+        lw = cfg.live_weight / P if P else 0.0
         i = -1
-        for (b, k, hr, _, room), name in zip(rows, names):
+        for (b, k, hr, _, room, hot), name in zip(rows, names):
             i += 1
             o = ovget(name, 0) if ovget is not None else 0
             if o >= min_o and b != _INF:
@@ -254,7 +270,7 @@ class KvAware:
                 new = P - o
             else:
                 new = P
-            c = k * new + b
+            c = ((k + lw * hot) if lw else k) * new + b
             if new > hr:
                 c += ow * (new - hr)
             if new > room:
@@ -270,9 +286,17 @@ class KvAware:
         the request overlaps no worker) — a dozen vectorised operations whatever the fleet size."""
         cfg = self.config
         P = request.prompt_blocks
-        base, slope, headroom, _cap, room = cols.arrays
+        base, slope, headroom, _cap, room, hot = cols.arrays
         ovmap = request.overlap
         m = len(ovmap) if ovmap else 0
+        ex = cols.extra
+        if cfg.live_weight and P:
+            anyhot = ex.get("anyhot")
+            if anyhot is None:
+                anyhot = ex["anyhot"] = bool(hot.any())
+            if anyhot:
+                slope = hot * (cfg.live_weight / P)
+                slope += cols.arrays[1]
         if m:
             n = len(base)
             o = np.zeros(n + 1)  # slot n takes the names no longer in the fleet (position −1)
@@ -289,7 +313,6 @@ class KvAware:
             o, new = None, P
             cost = slope * P
         cost += base
-        ex = cols.extra
         hmin = ex.get("hmin")
         if hmin is None or P > hmin:  # (re)compute the exact minimum before paying for the term
             hmin = ex["hmin"] = float(headroom.min())
@@ -331,7 +354,7 @@ class KvAware:
         """`_scales` over cached columns, vectorised (recomputed after a capacity changes)."""
         if not self.config.normalize_by_capacity:
             return None
-        base, _, _, cap, _ = cols.arrays
+        base, _, _, cap, _, _ = cols.arrays
         known = cap[(cap > 0) & (base != _INF)]
         if not len(known) or known.min() == known.max():
             return None

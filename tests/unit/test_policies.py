@@ -257,8 +257,9 @@ def test_a_cold_prompt_goes_where_it_evicts_no_reused_prefix():
     ws = [worker("w0", kv_total_blocks=600, hot_blocks=500), worker("w1", kv_total_blocks=600, hot_blocks=250)]
     picks = {KvAware().choose(req(4096), ws, random.Random(s)).worker for s in range(40)}
     assert picks == {"w1"}
-    # without the eviction price the two are equal: ties at random
-    flat = KvAware(KvAwareConfig(eviction_weight=0.0))
+    # without the eviction price (and the live-session price, which also prefers the smaller hot
+    # set) the two are equal: ties at random
+    flat = KvAware(KvAwareConfig(eviction_weight=0.0, live_weight=0.0))
     assert {flat.choose(req(4096), ws, random.Random(s)).worker for s in range(40)} == {"w0", "w1"}
     # the prompt whose prefix w0 holds still goes there: it evicts nothing new
     assert KvAware().choose(req(4096, {"w0": 250}), ws, random.Random(0)).worker == "w0"
@@ -273,8 +274,11 @@ def test_hot_prefixes_must_leave_the_running_requests_room():
     ws = [worker("w0", kv_total_blocks=768, hot_blocks=512, kv_active_blocks=300),
           worker("w1", kv_total_blocks=768, hot_blocks=256, kv_active_blocks=280, recent_finished=2)]
     assert {KvAware().choose(req(4224), ws, random.Random(s)).worker for s in range(40)} == {"w1"}
-    # with the whole pool as room the follow-up price wins and w0 takes its third prefix
-    no_watermark = KvAware(KvAwareConfig(kv_high_watermark=1.0))
+    # the room rule alone (live-session price off, the follow-up price of that run on) ...
+    alone = KvAwareConfig(live_weight=0.0, followup_weight=0.3)
+    assert {KvAware(alone).choose(req(4224), ws, random.Random(s)).worker for s in range(40)} == {"w1"}
+    # ... and with the whole pool as room the follow-up price wins and w0 takes its third prefix
+    no_watermark = KvAware(replace(alone, kv_high_watermark=1.0))
     assert {no_watermark.choose(req(4224), ws, random.Random(s)).worker for s in range(40)} == {"w0"}
 
 
@@ -282,10 +286,23 @@ def test_a_cold_prompt_avoids_the_worker_whose_conversations_are_between_turns()
     """w0 just finished 6 requests (their next turns are coming back there); a cold 4k prompt
     would make them wait behind its prefill, so it goes to w1 — while w0's own follow-up stays."""
     ws = [worker("w0", recent_finished=6), worker("w1")]
-    assert {KvAware().choose(req(4096), ws, random.Random(s)).worker for s in range(40)} == {"w1"}
+    on = KvAware(KvAwareConfig(followup_weight=0.3))  # off by default (the live-session price below)
+    assert {on.choose(req(4096), ws, random.Random(s)).worker for s in range(40)} == {"w1"}
     off = KvAware(KvAwareConfig(followup_weight=0.0))
     assert {off.choose(req(4096), ws, random.Random(s)).worker for s in range(40)} == {"w0", "w1"}
-    assert KvAware().choose(req(4096, {"w0": 250}), ws, random.Random(0)).worker == "w0"
+    assert on.choose(req(4096, {"w0": 250}), ws, random.Random(0)).worker == "w0"
+
+
+def test_a_cold_prompt_goes_to_the_worker_with_fewer_live_sessions():
+    """w0 holds three live conversations (hot blocks 600), w1 one (200), both idle right now
+    (their conversations are between turns): a new conversation's first turn would make the next
+    turns of the sessions on its worker wait behind its 200-block prefill, so it goes to w1; a
+    follow-up of one of w0's conversations still goes to w0 (its cold share is small)."""
+    ws = [worker("w0", hot_blocks=600), worker("w1", hot_blocks=200)]
+    assert {KvAware().choose(req(3200), ws, random.Random(s)).worker for s in range(40)} == {"w1"}
+    off = KvAware(KvAwareConfig(live_weight=0.0))
+    assert {off.choose(req(3200), ws, random.Random(s)).worker for s in range(40)} == {"w0", "w1"}
+    assert KvAware().choose(req(3328, {"w0": 200}), ws, random.Random(0)).worker == "w0"
 
 
 def test_costs_are_normalised_by_capacity_on_heterogeneous_fleets():
