@@ -55,7 +55,7 @@ def fleet(n: int, rng: random.Random) -> list[WorkerView]:
             page_size=16, running=running, total_slots=48, waiting=rng.randrange(0, 3),
             kv_active_blocks=rng.randrange(0, 30_000), kv_total_blocks=32_768,
             pending=rng.randrange(0, 3), pending_prefill_blocks=rng.randrange(0, 300),
-            pending_kv_blocks=rng.randrange(0, 300),
+            pending_kv_blocks=rng.randrange(0, 300), hot_blocks=rng.randrange(0, 2000),
         ))
     return out
 
