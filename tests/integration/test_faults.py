@@ -164,11 +164,16 @@ def test_kill_a_worker_process_streams_end_cleanly_plain_requests_do_not_fail(en
     tails: list[str] = []
 
     def long_stream():
-        with httpx.Client(timeout=60) as hc:
-            with hc.stream("POST", f"{env['base']}/v1/chat/completions", headers={"x-kvroute-policy": "round_robin"},
-                           json={"model": "m", "max_tokens": 4000, "stream": True,
-                                 "messages": [{"role": "user", "content": "a very long answer please"}]}) as r:
-                tails.append((r.headers.get("x-kvroute-worker"), "".join(r.iter_text())[-400:]))
+        try:
+            with httpx.Client(timeout=60) as hc:
+                with hc.stream("POST", f"{env['base']}/v1/chat/completions",
+                               headers={"x-kvroute-policy": "round_robin"},
+                               json={"model": "m", "max_tokens": 4000, "stream": True,
+                                     "messages": [{"role": "user", "content": "a very long answer please"}]}) as r:
+                    worker = r.headers.get("x-kvroute-worker")
+                    tails.append((worker, "".join(r.iter_text())[-400:]))
+        except Exception as exc:  # a broken stream is a failure to report, not a silent thread death
+            tails.append(("client error", repr(exc)))
 
     streams = [threading.Thread(target=long_stream) for _ in range(3)]  # round_robin: one lands on each worker
     with Load(env["base"]) as load:
@@ -185,6 +190,7 @@ def test_kill_a_worker_process_streams_end_cleanly_plain_requests_do_not_fail(en
     assert down_after < 1.0, f"down after {down_after:.2f} s"
     plain = load.plain()
     assert plain and all(r[1] == 200 for r in plain), Counter(r[1] for r in plain)
+    assert len(tails) == len(streams) and not [t for w, t in tails if w == "client error"], tails
     on_victim = [tail for w, tail in tails if w == victim]
     assert on_victim, tails
     for tail in on_victim:
