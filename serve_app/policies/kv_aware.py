@@ -295,8 +295,9 @@ class KvAware:
             if anyhot is None:
                 anyhot = ex["anyhot"] = bool(hot.any())
             if anyhot:
-                slope = hot * (cfg.live_weight / P)
-                slope += cols.arrays[1]
+                eff = hot * (cfg.live_weight / P)
+                eff += slope
+                slope = eff
         if m:
             n = len(base)
             o = np.zeros(n + 1)  # slot n takes the names no longer in the fleet (position −1)
