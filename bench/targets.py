@@ -45,6 +45,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from bench.loadgen import Target
+from serve_app.config import RouterConfig
 from serve_app.proxy import UpstreamClient, UpstreamError, forward_headers
 from serve_app.ray_env import apply_serve_env
 
@@ -58,14 +59,18 @@ ROOT = Path(__file__).resolve().parents[1]
 PREFIX_ROUTER_CLASS = (
     "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router.PrefixCacheAffinityRouter"
 )
+# the Serve floors relay streams like kvroute's router does by default (same proxy code, same batching)
+STREAM_BATCHING_MS = RouterConfig.model_fields["stream_batching_interval_ms"].default
+STREAM_BATCHING_S = STREAM_BATCHING_MS / 1e3
 KVROUTE_POLICIES = ("round_robin", "power_of_two", "least_loaded", "kv_aware")
 SGLANG_POLICIES = ("round_robin", "cache_aware", "power_of_two")
 PREFIX_NOTES = (
     "Ray Serve LLM PrefixCacheAffinityRouter (ray 2.60, default kwargs: imbalanced_threshold=inf, "
     "match_rate_threshold=0.1) routing among 4 replicas of a pass-through engine deployment, one "
     "replica per simulated worker; an OpenAI ingress deployment calls it through a streaming "
-    "DeploymentHandle, as Ray Serve LLM's ingress calls LLMServer. Chunks are relayed as they arrive "
-    "(Ray Serve LLM's own stream batching is not used). Its prefix tree actor is called with "
+    "DeploymentHandle, as Ray Serve LLM's ingress calls LLMServer. Chunks are relayed batched like "
+    f"kvroute's (first at once, then every {STREAM_BATCHING_MS:g} ms; Ray Serve LLM batches every 50 ms). "
+    "Its prefix tree actor is called with "
     "blocking ray.get inside the router, as shipped."
 )
 
@@ -100,20 +105,20 @@ class PassThrough:
         headers = {**up.headers(), "x-bench-worker": name}
         if not body.get("stream"):
             try:
-                content = await up.response.aread()
+                content = await up.read()
             finally:
                 await up.close()
             return Response(content, status_code=up.status_code, headers=headers)
 
         async def relay() -> AsyncIterator[bytes]:
             try:
-                async for chunk in up.chunks():
+                async for chunk in up.chunks(STREAM_BATCHING_S):
                     yield chunk
             finally:
                 await up.close()
 
         return StreamingResponse(relay(), status_code=up.status_code, headers=headers,
-                                 media_type=up.response.headers.get("content-type", "text/event-stream"))
+                                 media_type=up.content_type or "text/event-stream")
 
 
 # ------------------------------------------------------------------ Ray Serve LLM's prefix router
@@ -155,7 +160,7 @@ class SimEngine:
             return
         yield (self.name, up.status_code, up.headers())
         try:
-            async for chunk in up.chunks():
+            async for chunk in up.chunks(STREAM_BATCHING_S):
                 yield chunk
         finally:
             await up.close()

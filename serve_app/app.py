@@ -10,7 +10,6 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 import ray
@@ -26,7 +25,7 @@ from serve_app.metrics import RouterMetrics
 from serve_app.follower import FleetFollower
 from serve_app.kv_follower import KvFollower
 from serve_app.policies import NoWorkerAvailable, UnknownPolicy
-from serve_app.proxy import Upstream, UpstreamClient, UpstreamError, forward_headers, sse_error_event
+from serve_app.proxy import UPSTREAM_ERRORS, Upstream, UpstreamClient, UpstreamError, forward_headers, sse_error_event
 from serve_app.request_facts import InvalidRequestBody
 from serve_app.router import RouterCore
 
@@ -278,8 +277,8 @@ class KvRouter:
             except UpstreamError:
                 continue
             try:
-                content = await up.response.aread()
-            except httpx.HTTPError:
+                content = await up.read()
+            except UPSTREAM_ERRORS:
                 continue
             finally:
                 await up.close()
@@ -351,8 +350,8 @@ class KvRouter:
             out_headers = {**up.headers(), WORKER_HEADER: d.worker}
             if not stream:
                 try:
-                    content = await up.response.aread()
-                except httpx.HTTPError as exc:  # died mid-body: nothing sent yet, so retry elsewhere
+                    content = await up.read()
+                except UPSTREAM_ERRORS as exc:  # died mid-body: nothing sent yet, so retry elsewhere
                     self._failed(rid, d.worker, True)
                     tried.add(d.worker)
                     m.retries.labels(d.worker).inc()
@@ -367,7 +366,7 @@ class KvRouter:
                 self._relay(up, rid, d, t0, policy),
                 status_code=up.status_code,
                 headers=out_headers,
-                media_type=up.response.headers.get("content-type", "text/event-stream"),
+                media_type=up.content_type or "text/event-stream",
             )
         m.requests.labels(policy, "", "unavailable").inc()
         return _error(
@@ -396,14 +395,14 @@ class KvRouter:
         first = True
         outcome = "cancelled"
         try:
-            async for chunk in up.chunks():
+            async for chunk in up.chunks(self.config.stream_batching_interval_ms / 1e3):
                 if first:
                     ledger.on_first_token(rid)
                     self.metrics.ttft_seconds.labels(d.worker).observe(time.perf_counter() - t0)
                     first = False
                 yield chunk
             outcome = "ok"
-        except httpx.HTTPError as exc:
+        except UPSTREAM_ERRORS as exc:
             outcome = "broken"
             logger.warning("stream from %s broke after it started: %s", up.worker, type(exc).__name__)
             yield sse_error_event(f"worker {up.worker} failed mid-stream ({type(exc).__name__})")

@@ -1,0 +1,157 @@
+"""The upstream client against a real HTTP server on loopback (aiohttp.web): streamed bodies pass
+through byte for byte, batching never holds the first chunk or the end, errors come out typed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from aiohttp import web
+
+from serve_app.proxy import UPSTREAM_ERRORS, UpstreamClient, UpstreamError
+
+EVENTS = [f"data: {{\"i\": {i}}}\n\n".encode() for i in range(8)]
+
+
+async def _serve(handler) -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+def _sse_handler(gaps_s: list[float], tail_wait_s: float = 0.0):
+    """One chunked SSE event per write; gaps_s[i] is the pause before event i+1."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream", "x-upstream": "yes"})
+        await resp.prepare(request)
+        for i, ev in enumerate(EVENTS):
+            await resp.write(ev)
+            if i < len(gaps_s):
+                await asyncio.sleep(gaps_s[i])
+        await asyncio.sleep(tail_wait_s)
+        await resp.write_eof()
+        return resp
+
+    return handler
+
+
+async def _collect(batch_s: float, handler) -> tuple[list[bytes], list[float], dict[str, str]]:
+    runner, url = await _serve(handler)
+    client = UpstreamClient(2.0, 10.0)
+    try:
+        up = await client.open("w", "POST", url + "/v1/chat/completions", content=b"{}")
+        headers = up.headers()
+        got, at = [], []
+        async for chunk in up.chunks(batch_s):
+            got.append(chunk)
+            at.append(time.monotonic())
+        await up.close()
+        return got, at, headers
+    finally:
+        await client.aclose()
+        await runner.cleanup()
+
+
+async def test_unbatched_stream_passes_every_event_through_unchanged():
+    got, _, headers = await _collect(0.0, _sse_handler([0.03] * 7))
+    assert b"".join(got) == b"".join(EVENTS)
+    assert len(got) == len(EVENTS)  # 30 ms apart: one read each
+    assert headers["x-upstream"] == "yes" and "content-length" not in {k.lower() for k in headers}
+
+
+async def test_batching_sends_the_first_event_alone_then_groups_the_rest():
+    # events 1..7 arrive within ~15 ms of each other after a 50 ms pause; a 200 ms interval groups them
+    got, _, _ = await _collect(0.2, _sse_handler([0.05] + [0.002] * 6))
+    assert b"".join(got) == b"".join(EVENTS)
+    assert got[0] == EVENTS[0]
+    assert len(got) <= 3  # first, then the rest in one or two reads (not 7)
+
+
+async def test_batching_never_holds_the_end_of_the_body():
+    # with a 5 s interval, the stream still ends as soon as the server's last chunk arrives
+    t0 = time.monotonic()
+    got, _, _ = await _collect(5.0, _sse_handler([0.0] * 7, tail_wait_s=0.1))
+    assert b"".join(got) == b"".join(EVENTS)
+    assert time.monotonic() - t0 < 2.5
+
+
+async def test_retryable_status_is_an_upstream_error_with_retry_after():
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(status=503, text="engine overloaded", headers={"retry-after": "7"})
+
+    runner, url = await _serve(handler)
+    client = UpstreamClient(2.0, 10.0)
+    try:
+        with pytest.raises(UpstreamError) as ei:
+            await client.open("w0", "POST", url + "/x", content=b"{}")
+        assert ei.value.status == 503 and ei.value.retry_after == "7" and ei.value.worker == "w0"
+        assert "engine overloaded" in str(ei.value)
+    finally:
+        await client.aclose()
+        await runner.cleanup()
+
+
+async def test_connection_refused_is_an_upstream_error():
+    runner, url = await _serve(_sse_handler([]))
+    await runner.cleanup()  # nothing listens there any more
+    client = UpstreamClient(1.0, 10.0)
+    try:
+        with pytest.raises(UpstreamError) as ei:
+            await client.open("w1", "POST", url + "/x", content=b"{}")
+        assert ei.value.status is None and "w1" in str(ei.value)
+    finally:
+        await client.aclose()
+
+
+async def test_a_stream_cut_mid_body_raises_an_upstream_error_type():
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(EVENTS[0])
+        await asyncio.sleep(0.05)
+        request.transport.close()  # the worker dies without ending the chunked body
+        return resp
+
+    runner, url = await _serve(handler)
+    client = UpstreamClient(2.0, 10.0)
+    try:
+        up = await client.open("w", "POST", url + "/x", content=b"{}")
+        got = []
+        with pytest.raises(UPSTREAM_ERRORS):
+            async for chunk in up.chunks(0.01):
+                got.append(chunk)
+        assert got == [EVENTS[0]]
+        await up.close()
+    finally:
+        await client.aclose()
+        await runner.cleanup()
+
+
+async def test_read_timeout_bounds_a_silent_worker():
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(EVENTS[0])
+        await asyncio.sleep(1.5)
+        return resp
+
+    runner, url = await _serve(handler)
+    client = UpstreamClient(2.0, 0.3)
+    try:
+        up = await client.open("w", "POST", url + "/x", content=b"{}")
+        t0 = time.monotonic()
+        with pytest.raises(UPSTREAM_ERRORS):
+            async for _ in up.chunks(0.0):
+                pass
+        assert time.monotonic() - t0 < 3
+        await up.close()
+    finally:
+        await client.aclose()
+        await runner.cleanup()
