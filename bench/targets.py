@@ -85,9 +85,10 @@ passthrough_app = FastAPI()
 class PassThrough:
     """Serve's floor: FastAPI ingress + kvroute's UpstreamClient, a uniformly random worker."""
 
-    def __init__(self, workers: dict[str, str]) -> None:
+    def __init__(self, workers: dict[str, str], batching_s: float = STREAM_BATCHING_S) -> None:
         self.workers = list(workers.items())
         self.upstream = UpstreamClient(2.0, 600.0)
+        self.batching_s = batching_s
 
     @passthrough_app.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Response:
@@ -112,7 +113,7 @@ class PassThrough:
 
         async def relay() -> AsyncIterator[bytes]:
             try:
-                async for chunk in up.chunks(STREAM_BATCHING_S):
+                async for chunk in up.chunks(self.batching_s):
                     yield chunk
             finally:
                 await up.close()
@@ -211,6 +212,7 @@ class BenchFleet:
     progress: Any = print
     targets_enabled: tuple[str, ...] | None = None  # None = all
     kv_events: bool = False  # engines publish KV events + the kv_aware exact-mode target (see run.py)
+    router_args: dict[str, Any] = field(default_factory=dict)  # RouterConfig fields for every kvroute app
     tmpdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="kvroute-bench-"))
     serve_port: int = 0
     worker_urls: dict[str, str] = field(default_factory=dict)
@@ -218,6 +220,10 @@ class BenchFleet:
     _procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     _targets: list[Target] = field(default_factory=list)
     _ray_started: bool = False
+
+    def _batching_s(self) -> float:
+        """The bare Serve floor relays like the kvroute apps of this fleet."""
+        return float(self.router_args.get("stream_batching_interval_ms", STREAM_BATCHING_MS)) / 1e3
 
     def fleet_dict(self) -> dict[str, Any]:
         ws = []
@@ -257,7 +263,7 @@ class BenchFleet:
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
         fleet = parse_fleet(self.fleet_dict(), "bench")
         self.serve_port = free_port()
-        self._runner = FleetRunner(fleet, RouterConfig(policy="kv_aware"), host="127.0.0.1", port=self.serve_port,
+        self._runner = FleetRunner(fleet, RouterConfig(policy="kv_aware", **self.router_args), host="127.0.0.1", port=self.serve_port,
                                    address=None, progress=self.progress, verbose=self.verbose)
         base = self._runner.start()
         self.worker_urls = {w.name: w.url for w in fleet.expanded()}
@@ -270,7 +276,7 @@ class BenchFleet:
             targets.append(Target("direct", urls, label="direct (client RR)",
                                   notes="no router: the load generator round-robins over the workers"))
         if on("serve-random"):
-            serve.run(PassThrough.bind(self.worker_urls), name="serve-random", route_prefix="/serve-random",
+            serve.run(PassThrough.bind(self.worker_urls, self._batching_s()), name="serve-random", route_prefix="/serve-random",
                       blocking=False)
             targets.append(Target("serve-random", (base + "/serve-random",), label="bare Serve (random)"))
         for policy in KVROUTE_POLICIES:
@@ -282,13 +288,13 @@ class BenchFleet:
             else:
                 prefix = f"/{name}"
                 # as FleetRunner does: this process owns the worker actors, the replicas must not start them
-                args = {"fleet": fleet.model_dump(mode="json"), "router": {"policy": policy}, "manage_fleet": False}
+                args = {"fleet": fleet.model_dump(mode="json"), "router": {**self.router_args, "policy": policy}, "manage_fleet": False}
                 serve.run(build_app(args), name=name, route_prefix=prefix, blocking=False)
             targets.append(Target(name, (base + prefix,), label=f"kvroute {policy}"))
         name = "kvroute-kv_aware-exact"
         if self.kv_events and on(name):
             prefix = f"/{name}"
-            args = {"fleet": fleet.model_dump(mode="json"), "router": {"policy": "kv_aware", "tokenizer": "sim"},
+            args = {"fleet": fleet.model_dump(mode="json"), "router": {**self.router_args, "policy": "kv_aware", "tokenizer": "sim"},
                     "manage_fleet": False}
             serve.run(build_app(args), name=name, route_prefix=prefix, blocking=False)
             targets.append(Target(name, (base + prefix,), label="kvroute kv_aware, exact prefix mode",

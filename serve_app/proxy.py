@@ -23,6 +23,8 @@ _SKIP_HEADERS = {
 }
 RETRYABLE_STATUS = {429, 500, 502, 503, 504}  # before the first byte nothing was sent: try elsewhere
 # What a broken upstream raises: connection reset/refused, truncated body, per-read timeout.
+# Events relayed unbatched at a stream's start: SGLang's role-only chat chunk, then the first token's.
+_UNBATCHED_EVENTS = 2
 UPSTREAM_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientError, asyncio.TimeoutError)
 
 
@@ -60,21 +62,30 @@ class Upstream:
         return await self.response.read()
 
     async def chunks(self, batch_interval_s: float = 0.0) -> AsyncIterator[bytes]:
-        """The body as it arrives. The first piece goes out at once (time to first token is not
-        touched). With `batch_interval_s` > 0, what arrives later waits until that long after the
-        previous piece went out and leaves with everything else that came meanwhile: a 12-token
-        reply crosses Serve's proxy ↔ replica hop as a few messages instead of one per token (each
-        costs both processes CPU). The end of the body leaves the moment it arrives, so the reply's
-        completion is not delayed. Bytes are passed through unchanged (SSE events stay whole).
+        """The body as it arrives, bytes unchanged (SSE events stay whole and in order).
+
+        With `batch_interval_s` > 0, the first two SSE events go out the moment they arrive —
+        SGLang's chat stream opens with a role-only event written just before the first token's,
+        so neither the first byte nor the first token is held — and after that, what arrives waits
+        until `batch_interval_s` after the previous piece went out and leaves together with
+        everything else that came meanwhile. A 12-token reply then crosses Serve's proxy ↔ replica
+        hop as a few messages instead of one per token (each costs both processes CPU). The end of
+        the body leaves the moment it arrives, so completion is never delayed.
         """
         content = self.response.content
+        events_out = 0
         while True:
             data = await content.readany()
             if not data:
                 return
             yield data
-            if batch_interval_s > 0 and not content.at_eof():
-                await asyncio.wait((self._eof_future(),), timeout=batch_interval_s)
+            if batch_interval_s <= 0 or content.at_eof():
+                continue
+            if events_out < _UNBATCHED_EVENTS:
+                events_out += data.count(b"\n\n")
+                if events_out < _UNBATCHED_EVENTS:
+                    continue
+            await asyncio.wait((self._eof_future(),), timeout=batch_interval_s)
 
     def _eof_future(self) -> asyncio.Future[None]:
         if self._eof is None:

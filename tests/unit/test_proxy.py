@@ -66,12 +66,33 @@ async def test_unbatched_stream_passes_every_event_through_unchanged():
     assert headers["x-upstream"] == "yes" and "content-length" not in {k.lower() for k in headers}
 
 
-async def test_batching_sends_the_first_event_alone_then_groups_the_rest():
-    # events 1..7 arrive within ~15 ms of each other after a 50 ms pause; a 200 ms interval groups them
-    got, _, _ = await _collect(0.2, _sse_handler([0.05] + [0.002] * 6))
+async def test_batching_sends_the_first_two_events_at_once_then_groups_the_rest():
+    # event 1 (the first token after SGLang's role chunk) comes 50 ms after event 0 and must not be
+    # held; events 2..7 arrive within ~15 ms of each other and leave together
+    got, at, _ = await _collect(0.3, _sse_handler([0.05, 0.1] + [0.002] * 5))
     assert b"".join(got) == b"".join(EVENTS)
-    assert got[0] == EVENTS[0]
-    assert len(got) <= 3  # first, then the rest in one or two reads (not 7)
+    assert got[0] == EVENTS[0] and got[1] == EVENTS[1]
+    assert at[1] - at[0] < 0.25  # not held for the 300 ms interval
+    assert len(got) <= 4  # then one or two reads for the remaining six events (not six)
+
+
+async def test_role_and_first_token_in_one_read_start_the_batching():
+    # both opening events in the first read: the next one is already batched
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(EVENTS[0] + EVENTS[1])
+        for ev in EVENTS[2:]:
+            await asyncio.sleep(0.01)
+            await resp.write(ev)
+        await asyncio.sleep(0.3)
+        await resp.write_eof()
+        return resp
+
+    got, _, _ = await _collect(0.2, handler)
+    assert b"".join(got) == b"".join(EVENTS)
+    assert got[0] == EVENTS[0] + EVENTS[1]
+    assert len(got) <= 3
 
 
 async def test_batching_never_holds_the_end_of_the_body():
