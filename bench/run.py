@@ -378,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
 
     enabled = tuple(ns.targets.split(",")) if ns.targets else None
     suite["kv_events"] = bool(ns.kv_events)
+    from bench.targets import STREAM_BATCHING_MS
+
+    suite["stream_batching_ms"] = STREAM_BATCHING_MS  # kvroute's default, and the Serve floors relay alike
     if ns.kv_events:
         overrides.append("kv-events")
     fleet = BenchFleet(suite["workers"], suite["engine"], verbose=ns.verbose, progress=progress,

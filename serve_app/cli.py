@@ -163,6 +163,8 @@ def _router_config(ns: argparse.Namespace) -> RouterConfig:
         cfg["tokenizer"] = ns.tokenizer
     if getattr(ns, "block_size", None):
         cfg["block_size"] = ns.block_size
+    if getattr(ns, "stream_batching_ms", None) is not None:
+        cfg["stream_batching_interval_ms"] = ns.stream_batching_ms
     return RouterConfig.model_validate(cfg).with_env()
 
 
@@ -326,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="exact prefix mode from KV events: sim | hf:<model dir> (default none)")
         sp.add_argument("--block-size", type=int, default=None,
                         help="prefix blocks in tokens; the engines' --page-size for exact mode (default 16)")
+        sp.add_argument("--stream-batching-ms", type=float, default=None,
+                        help="streamed replies: after the first token, relay chunks batched this often (default 50; "
+                             "0 = every chunk as it comes)")
         sp.add_argument("-v", "--verbose", action="store_true")
 
     d = sub.add_parser("demo", help="local Ray + N simulated SGLang workers + the router")

@@ -32,7 +32,7 @@ class RouterConfig(BaseModel):
     upstream_connect_timeout_s: float = Field(2.0, gt=0)
     upstream_read_timeout_s: float = Field(600.0, gt=0, description="per-chunk read timeout upstream")
     stream_batching_interval_ms: float = Field(
-        20.0, ge=0, le=1000,
+        50.0, ge=0, le=1000,
         description="streamed replies: after the first chunk (sent at once), chunks that arrive within this "
         "long go out together; the last one is never held. 0 = one message per upstream read",
     )
