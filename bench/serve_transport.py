@@ -38,6 +38,8 @@ sys.path.insert(0, str(ROOT))
 TRANSPORTS = {
     "actor": {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "0", "RAY_SERVE_PROXY_USE_GRPC": "0"},
     "grpc": {},  # serve_app.ray_env.SERVE_ENV, as kvroute runs
+    # Ray's HAProxy ingress: haproxy on the HTTP port → each replica's own HTTP server (direct ingress)
+    "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1"},
 }
 
 
@@ -55,7 +57,7 @@ def _label(p: Any) -> str:
         text = p.name() + " " + " ".join(p.cmdline())
     except Exception:
         return ""
-    if "ProxyActor" in text:
+    if "ProxyActor" in text or "HAProxyManager" in text or text.startswith("haproxy "):
         return "proxy"
     if "ServeReplica:" in text:
         return "replica:" + text.split("ServeReplica:", 1)[1].split()[0]

@@ -20,6 +20,7 @@ from actors.aggregator import AGGREGATOR_NAME, get_or_create_aggregator  # noqa:
 from actors.fleet import parse_fleet  # noqa: E402
 from actors.worker_actor import start_worker_actor  # noqa: E402
 from serve_app.app import build_app  # noqa: E402
+from serve_app.ray_env import apply_serve_env  # noqa: E402
 
 
 def wait(pred, timeout, what):
@@ -38,6 +39,7 @@ def wait(pred, timeout, what):
 def main() -> None:
     port = int(sys.argv[1])
     out: dict = {}
+    apply_serve_env()  # kvroute's Serve transport, as `kvroute serve` sets it for a local Ray
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "resources": {"kvroute_head": 100}})
     gpu_a = cluster.add_node(num_cpus=2, num_gpus=1, resources={"sglang_slot": 1})
     gpu_b = cluster.add_node(num_cpus=2, num_gpus=1, resources={"sglang_slot": 1})

@@ -160,8 +160,9 @@ def test_kill_a_worker_process_streams_end_cleanly_plain_requests_do_not_fail(en
     victim = "f1"
     pid = _workers(c)[victim]["managed"]["pid"]
     url = _workers(c)[victim]["url"]
-    # a long stream pinned to the victim (direct dispatch through the router: only it is routable)
+    # long streams through the router (round_robin) until one runs on the victim
     tails: list[str] = []
+    started: list[str] = []
 
     def long_stream():
         try:
@@ -171,14 +172,20 @@ def test_kill_a_worker_process_streams_end_cleanly_plain_requests_do_not_fail(en
                                json={"model": "m", "max_tokens": 4000, "stream": True,
                                      "messages": [{"role": "user", "content": "a very long answer please"}]}) as r:
                     worker = r.headers.get("x-kvroute-worker")
+                    started.append(worker)
                     tails.append((worker, "".join(r.iter_text())[-400:]))
         except Exception as exc:  # a broken stream is a failure to report, not a silent thread death
             tails.append(("client error", repr(exc)))
 
-    streams = [threading.Thread(target=long_stream) for _ in range(3)]  # round_robin: one lands on each worker
+    streams: list[threading.Thread] = []
     with Load(env["base"]) as load:
-        for t in streams:
-            t.start()
+        for _ in range(8):  # round_robin puts one of every three on the victim unless one is excluded
+            streams.append(threading.Thread(target=long_stream))
+            streams[-1].start()
+            wait_for(lambda: len(started) == len(streams), 10, what="stream headers")
+            if victim in started:
+                break
+        assert victim in started, started
         time.sleep(1.0)
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()

@@ -389,3 +389,29 @@ def test_apply_serve_env_keeps_what_the_operator_set():
     assert got["RAY_SERVE_PROXY_USE_GRPC"] == "0" and env["RAY_SERVE_PROXY_USE_GRPC"] == "0"
     assert all(env[k] == v for k, v in SERVE_ENV.items() if k != "RAY_SERVE_PROXY_USE_GRPC")
     assert int(SERVE_ENV["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"]) > 8 * 1024 * 1024  # hostile-header tests
+
+
+def test_a_local_ray_gets_its_own_haproxy_ports_and_a_short_drain():
+    from serve_app.ray_env import LOCAL_ENV, LOCAL_PORT_ENV, apply_serve_env
+
+    env: dict[str, str] = {}
+    apply_serve_env(env)
+    first = {k: env[k] for k in LOCAL_PORT_ENV}
+    assert all(1024 < int(v) < 65536 for v in first.values())
+    assert all(env[k] == v for k, v in LOCAL_ENV.items())
+    # a child that inherited kvroute's picks (a demo started from a test session) picks again
+    child = dict(env)
+    for _ in range(5):
+        apply_serve_env(child)
+        if {k: child[k] for k in LOCAL_PORT_ENV} != first:
+            break
+    assert {k: child[k] for k in LOCAL_PORT_ENV} != first
+    # ports the operator chose stay; a cluster (local=False) gets neither picks nor the short drain
+    chosen = {"RAY_SERVE_HAPROXY_STATS_PORT": "18404", "RAY_SERVE_HAPROXY_METRICS_PORT": "19101"}
+    op = dict(chosen)
+    apply_serve_env(op)
+    assert {k: op[k] for k in LOCAL_PORT_ENV} == chosen
+    cluster: dict[str, str] = {}
+    apply_serve_env(cluster, local=False)
+    assert not any(k in cluster for k in (*LOCAL_PORT_ENV, *LOCAL_ENV))
+    assert cluster["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
