@@ -42,6 +42,11 @@ HAPROXY_BUFSIZE = 128 * 1024
 SERVE_ENV: dict[str, str] = {
     "RAY_SERVE_ENABLE_HA_PROXY": "1",  # HAProxy on the HTTP port → the router replicas' own HTTP servers
     "RAY_SERVE_HAPROXY_TUNE_BUFSIZE": str(HAPROXY_BUFSIZE),
+    # the replicas' own ports, away from SGLang's default 30000 (Ray's range is 30000-31000/40000-41000)
+    "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "28000",
+    "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "28999",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": "29000",
+    "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": "29999",
     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",  # controller + handles: replicas serve gRPC
     "RAY_SERVE_PROXY_USE_GRPC": "1",  # the Python proxy (Serve's gRPC ingress; HTTP if HAProxy is off) → gRPC
     "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(GRPC_MAX_MESSAGE_BYTES),
