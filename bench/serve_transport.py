@@ -2,8 +2,11 @@
 
     python -m bench.serve_transport [--compare transport|batching] [--rounds 2] [--requests 200] [--concurrency 8]
 
-`--compare transport` (default): Ray actor calls vs gRPC between Serve's proxy and the replica.
-`--compare batching`: gRPC, kvroute's `stream_batching_interval_ms` at each of `--batching-ms`
+`--compare transport` (default): Serve's ingress and its hop to the replica — the Python HTTP proxy
+calling the replica with Ray actor calls (Ray's default), the same over gRPC, and HAProxy in front
+of the replica's own HTTP server (kvroute's `serve_app.ray_env`). The "proxy" columns count every
+ingress process: Serve's proxy actor, and with HAProxy also `haproxy` and Ray's HAProxy manager.
+`--compare batching`: kvroute's transport, kvroute's `stream_batching_interval_ms` at each of `--batching-ms`
 (default 0,20,50): 0 relays every upstream read as its own Serve message, more batches them.
 
 Each round starts, per variant, a fresh local Ray (in a child process: Serve reads the settings
@@ -36,10 +39,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 TRANSPORTS = {
-    "actor": {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "0", "RAY_SERVE_PROXY_USE_GRPC": "0"},
-    "grpc": {},  # serve_app.ray_env.SERVE_ENV, as kvroute runs
-    # Ray's HAProxy ingress: haproxy on the HTTP port → each replica's own HTTP server (direct ingress)
-    "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1"},
+    # Serve's Python HTTP proxy calling the replica with Ray actor calls (Ray's default)
+    "actor": {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_USE_GRPC_BY_DEFAULT": "0", "RAY_SERVE_PROXY_USE_GRPC": "0"},
+    # the same proxy over gRPC
+    "grpc": {"RAY_SERVE_ENABLE_HA_PROXY": "0"},
+    # HAProxy on the HTTP port → each replica's own HTTP server (direct ingress): serve_app.ray_env, as kvroute runs
+    "haproxy": {},
 }
 
 
@@ -176,8 +181,9 @@ def main() -> None:
     def f(x: float | None, d: int = 2) -> str:
         return "" if x is None else f"{x:.{d}f}"
 
-    what_cmp = "actor calls vs gRPC" if args.compare == "transport" else "relay batching intervals (gRPC)"
-    print(f"# Ray Serve hop — CPU per request of proxy + router replica: {what_cmp}\n")
+    what_cmp = ("Python proxy (actor calls, gRPC) vs HAProxy ingress" if args.compare == "transport"
+                else "relay batching intervals")
+    print(f"# Ray Serve ingress — CPU per request of ingress + router replica: {what_cmp}\n")
     print(f"command: `python -m bench.serve_transport {' '.join(sys.argv[1:])}`  ")
     print(f"machine: {platform.platform()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
           f"{args.rounds} round(s), {args.requests} requests per row at concurrency {args.concurrency}; "
