@@ -131,16 +131,25 @@ async def test_connection_refused_is_an_upstream_error():
         await client.aclose()
 
 
-async def test_a_stream_cut_mid_body_raises_an_upstream_error_type():
+def _first_event_then(after):
+    """A worker that sends one SSE event, then does `after(request)` instead of finishing."""
+
     async def handler(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await resp.prepare(request)
         await resp.write(EVENTS[0])
-        await asyncio.sleep(0.05)
-        request.transport.close()  # the worker dies without ending the chunked body
+        await after(request)
         return resp
 
-    runner, url = await _serve(handler)
+    return handler
+
+
+async def test_a_stream_cut_mid_body_raises_an_upstream_error_type():
+    async def die(request: web.Request) -> None:
+        await asyncio.sleep(0.05)
+        request.transport.close()  # the worker dies without ending the chunked body
+
+    runner, url = await _serve(_first_event_then(die))
     client = UpstreamClient(2.0, 10.0)
     try:
         up = await client.open("w", "POST", url + "/x", content=b"{}")
@@ -156,14 +165,10 @@ async def test_a_stream_cut_mid_body_raises_an_upstream_error_type():
 
 
 async def test_read_timeout_bounds_a_silent_worker():
-    async def handler(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
-        await resp.prepare(request)
-        await resp.write(EVENTS[0])
+    async def go_silent(request: web.Request) -> None:
         await asyncio.sleep(1.5)
-        return resp
 
-    runner, url = await _serve(handler)
+    runner, url = await _serve(_first_event_then(go_silent))
     client = UpstreamClient(2.0, 0.3)
     try:
         up = await client.open("w", "POST", url + "/x", content=b"{}")
