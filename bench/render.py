@@ -105,10 +105,12 @@ def evaluate_goals(agg: dict, rates: dict[str, list[float]], oh: dict) -> list[d
         add_k = k["e2e_p50_ms"] - d["e2e_p50_ms"]
         add_s = s["e2e_p50_ms"] - d["e2e_p50_ms"]
         r = add_k / add_s if add_s > 0 else None
+        why = (f"concurrency {c}: added p50 {add_k:.2f} ms (kvroute kv_aware) vs {add_s:.2f} ms (bare Serve); "
+               f"total p50 {k['e2e_p50_ms']:.2f} vs {s['e2e_p50_ms']:.2f} vs direct {d['e2e_p50_ms']:.2f} ms")
+        if add_s <= 0:  # bare Serve beat direct here: no ratio; kvroute must then add no more than it
+            why += "; bare Serve was faster than direct at this concurrency, so no ratio: met if kvroute adds no more"
         add("router added latency ≤ 1.15× bare Serve's (p50 e2e, tiny outputs)", "overhead", c, r, 1.15,
-            r is not None and r <= 1.15,
-            f"concurrency {c}: added p50 {add_k:.2f} ms (kvroute kv_aware) vs {add_s:.2f} ms (bare Serve); "
-            f"total p50 {k['e2e_p50_ms']:.2f} vs {s['e2e_p50_ms']:.2f} vs direct {d['e2e_p50_ms']:.2f} ms")
+            (r <= 1.15) if r is not None else add_k <= add_s, why)
     return goals
 
 
