@@ -323,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="engines publish KV events and kvroute's exact prefix mode (router tokenizer: sim) runs as "
                          "one more target. Before serve_app fix d4a918b, KV events in the fleet switched the "
                          "default-mode routers' affinity off (see bench/results/quick-kv-events.md)")
+    ap.add_argument("--kv", action="append", default=[], metavar="KNOB=VALUE",
+                    help="a kv_aware knob for every kvroute target (development only), e.g. --kv live_weight=0")
     ap.add_argument("--no-sub", action="store_true", help="skip the ingest/decision subprocess benchmarks")
     ap.add_argument("--no-overhead", action="store_true", help="skip the overhead phase")
     ap.add_argument("-v", "--verbose", action="store_true")
@@ -383,8 +385,13 @@ def main(argv: list[str] | None = None) -> int:
     suite["stream_batching_ms"] = STREAM_BATCHING_MS  # kvroute's default, and the Serve floors relay alike
     if ns.kv_events:
         overrides.append("kv-events")
+    knobs = {k: float(v) for k, _, v in (kv.partition("=") for kv in ns.kv)}
+    if knobs:
+        suite["kv_aware"] = knobs
+        overrides.append("kv=" + ",".join(ns.kv))
     fleet = BenchFleet(suite["workers"], suite["engine"], verbose=ns.verbose, progress=progress,
-                       targets_enabled=enabled, kv_events=suite["kv_events"])
+                       targets_enabled=enabled, kv_events=suite["kv_events"],
+                       router_args={"kv_aware": knobs} if knobs else {})
     trials: list[dict] = []
     overhead: list[dict] = []
     try:
