@@ -77,7 +77,9 @@ def find_processes(runner: Any) -> dict[str, int]:
             continue
         if "KvRouter" in name:
             label = f"router replica {name.rsplit('#', 1)[-1][:8]}"
-        elif name.startswith("SERVE_PROXY_ACTOR"):
+        elif name.startswith("SERVE_PROXY_ACTOR-fallback"):  # HAProxy mode: the Python proxy behind it
+            label = "serve proxy (fallback)"
+        elif name.startswith("SERVE_PROXY_ACTOR"):  # the Python proxy, or HAProxy's manager
             label = "serve proxy"
         elif name.startswith("SERVE_CONTROLLER_ACTOR"):
             label = "serve controller"
@@ -87,6 +89,13 @@ def find_processes(runner: Any) -> dict[str, int]:
             procs[label] = _actor_pid(ray.get_actor(name, namespace=ns))
         except Exception as exc:  # e.g. a replica being replaced right now
             logging.warning("no pid for %s: %s", name, exc)
+            continue
+        for child in psutil.Process(procs[label]).children(recursive=True):  # the haproxy it runs
+            try:
+                if child.name() == "haproxy":
+                    procs["haproxy"] = child.pid
+            except psutil.Error:
+                pass
     return procs
 
 

@@ -7,8 +7,9 @@ every streamed SSE chunk. Ray 2.60 ships a "throughput optimized" ingress instea
 connection to a router replica's own HTTP server (Serve's "direct ingress"), so no Python process
 sits between the client and the router. Measured with 4 simulated workers at 8 concurrent requests
 (`python -m bench.serve_transport --compare transport`, `bench/results/serve-transport.md`): the
-ingress and the replica together use about a third of the CPU per streamed 12-token reply that the
-Python proxy path over gRPC uses, and TTFT p50 drops with it. The replica ↔ replica and handle
+ingress and the replica together use 0.46× the CPU per streamed 12-token reply of the Python
+proxy over gRPC (0.34× of Ray's default, the proxy calling replicas as Ray actors), and TTFT p50
+halves with it. The replica ↔ replica and handle
 traffic stays on gRPC (`RAY_SERVE_USE_GRPC_BY_DEFAULT`), as does the Python proxy's, which Ray still
 runs for Serve's gRPC ingress.
 
