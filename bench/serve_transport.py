@@ -14,7 +14,7 @@ of `serve_app.ray_env` from the environment when its processes start) with 4 sim
 kvroute's router, plus a bare Serve pass-through (`bench.targets.PassThrough`, Serve's own floor,
 relaying with the same batching), then drives the same closed-loop load at each: streamed chat
 (`max_tokens` 1, 12 and 48) and non-streamed. Per request it reports the CPU time used by Serve's
-HTTP proxy and by the replica (from /proc, all threads), the throughput, the e2e p50 and, for
+ingress (proxy processes) and by the replica (from /proc, all threads), the throughput, the e2e p50 and, for
 streams, the client's TTFT p50 and how many body reads it needed per reply. Variants alternate
 within a round; figures are medians over rounds, and the last column is the ratio of the row's
 proxy+replica CPU to the first variant's. Loopback only; each child is bounded by a timeout.
