@@ -139,7 +139,8 @@ class EngineRequest:
 class SimEngine:
     """One replica = one simulated worker (claimed at start, first free one wins)."""
 
-    def __init__(self, workers: dict[str, str], claim_dir: str) -> None:
+    def __init__(self, workers: dict[str, str], claim_dir: str, batching_s: float = STREAM_BATCHING_S) -> None:
+        self.batching_s = batching_s
         for i, (name, url) in enumerate(workers.items()):
             try:
                 os.close(os.open(os.path.join(claim_dir, f"claim-{i}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
@@ -161,7 +162,7 @@ class SimEngine:
             return
         yield (self.name, up.status_code, up.headers())
         try:
-            async for chunk in up.chunks(STREAM_BATCHING_S):
+            async for chunk in up.chunks(self.batching_s):
                 yield chunk
         finally:
             await up.close()
@@ -263,8 +264,8 @@ class BenchFleet:
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
         fleet = parse_fleet(self.fleet_dict(), "bench")
         self.serve_port = free_port()
-        self._runner = FleetRunner(fleet, RouterConfig(policy="kv_aware", **self.router_args), host="127.0.0.1", port=self.serve_port,
-                                   address=None, progress=self.progress, verbose=self.verbose)
+        self._runner = FleetRunner(fleet, RouterConfig(policy="kv_aware", **self.router_args), host="127.0.0.1",
+                                   port=self.serve_port, address=None, progress=self.progress, verbose=self.verbose)
         base = self._runner.start()
         self.worker_urls = {w.name: w.url for w in fleet.expanded()}
         urls = tuple(self.worker_urls.values())
@@ -276,8 +277,8 @@ class BenchFleet:
             targets.append(Target("direct", urls, label="direct (client RR)",
                                   notes="no router: the load generator round-robins over the workers"))
         if on("serve-random"):
-            serve.run(PassThrough.bind(self.worker_urls, self._batching_s()), name="serve-random", route_prefix="/serve-random",
-                      blocking=False)
+            serve.run(PassThrough.bind(self.worker_urls, self._batching_s()), name="serve-random",
+                      route_prefix="/serve-random", blocking=False)
             targets.append(Target("serve-random", (base + "/serve-random",), label="bare Serve (random)"))
         for policy in KVROUTE_POLICIES:
             name = f"kvroute-{policy}"
@@ -288,14 +289,15 @@ class BenchFleet:
             else:
                 prefix = f"/{name}"
                 # as FleetRunner does: this process owns the worker actors, the replicas must not start them
-                args = {"fleet": fleet.model_dump(mode="json"), "router": {**self.router_args, "policy": policy}, "manage_fleet": False}
+                args = {"fleet": fleet.model_dump(mode="json"), "router": {**self.router_args, "policy": policy},
+                        "manage_fleet": False}
                 serve.run(build_app(args), name=name, route_prefix=prefix, blocking=False)
             targets.append(Target(name, (base + prefix,), label=f"kvroute {policy}"))
         name = "kvroute-kv_aware-exact"
         if self.kv_events and on(name):
             prefix = f"/{name}"
-            args = {"fleet": fleet.model_dump(mode="json"), "router": {**self.router_args, "policy": "kv_aware", "tokenizer": "sim"},
-                    "manage_fleet": False}
+            args = {"fleet": fleet.model_dump(mode="json"),
+                    "router": {**self.router_args, "policy": "kv_aware", "tokenizer": "sim"}, "manage_fleet": False}
             serve.run(build_app(args), name=name, route_prefix=prefix, blocking=False)
             targets.append(Target(name, (base + prefix,), label="kvroute kv_aware, exact prefix mode",
                                   notes="router config `tokenizer: sim`: prompts tokenized like the engine, overlap "
@@ -308,7 +310,7 @@ class BenchFleet:
                 num_replicas=len(urls),
                 request_router_config=RequestRouterConfig(
                     request_router_class=PREFIX_ROUTER_CLASS),
-            ).bind(self.worker_urls, claim)
+            ).bind(self.worker_urls, claim, self._batching_s())
             serve.run(PrefixIngress.bind(engine), name="ray-prefix", route_prefix="/ray-prefix", blocking=False)
             targets.append(Target("ray-prefix", (base + "/ray-prefix",), label="Ray Serve PrefixCacheAffinity",
                                   notes=PREFIX_NOTES))

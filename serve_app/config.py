@@ -33,8 +33,9 @@ class RouterConfig(BaseModel):
     upstream_read_timeout_s: float = Field(600.0, gt=0, description="per-chunk read timeout upstream")
     stream_batching_interval_ms: float = Field(
         50.0, ge=0, le=1000,
-        description="streamed replies: after the first chunk (sent at once), chunks that arrive within this "
-        "long go out together; the last one is never held. 0 = one message per upstream read",
+        description="streamed replies: the first two SSE events (role chunk, first token) go out at once, "
+        "later chunks that arrive within this long go out together; the end is never held. "
+        "0 = one piece per upstream read",
     )
     max_attempts: int = Field(3, ge=1, description="tries on different workers before the first byte")
     breaker_failures: int = Field(3, ge=1, description="consecutive upstream failures that open a worker's breaker")

@@ -21,9 +21,9 @@ _SKIP_HEADERS = {
     "content-encoding", "date", "server",
 }
 RETRYABLE_STATUS = {429, 500, 502, 503, 504}  # before the first byte nothing was sent: try elsewhere
-# What a broken upstream raises: connection reset/refused, truncated body, per-read timeout.
 # Events relayed unbatched at a stream's start: SGLang's role-only chat chunk, then the first token's.
 _UNBATCHED_EVENTS = 2
+# What a broken upstream raises: connection reset/refused, truncated body, per-read timeout.
 UPSTREAM_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientError, asyncio.TimeoutError)
 
 
@@ -67,9 +67,9 @@ class Upstream:
         SGLang's chat stream opens with a role-only event written just before the first token's,
         so neither the first byte nor the first token is held — and after that, what arrives waits
         until `batch_interval_s` after the previous piece went out and leaves together with
-        everything else that came meanwhile. A 12-token reply then crosses Serve's proxy ↔ replica
-        hop as a few messages instead of one per token (each costs both processes CPU). The end of
-        the body leaves the moment it arrives, so completion is never delayed.
+        everything else that came meanwhile. A 12-token reply then leaves the replica (and crosses
+        Serve's ingress) as a few pieces instead of one per token, each of which costs CPU. The end
+        of the body leaves the moment it arrives, so completion is never delayed.
         """
         content = self.response.content
         events_out = 0
