@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import platform
 import random
 import statistics
 import sys
@@ -22,6 +21,7 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import machine  # noqa: E402
 from serve_app.ledger import Ledger, refresh_fleet  # noqa: E402
 from serve_app.policies import POLICIES, WorkerView, get_policy  # noqa: E402
 from serve_app.policies.fleet import FleetView  # noqa: E402
@@ -139,9 +139,8 @@ def main() -> None:
         p50, p99 = timeit(cycle, iters)
         rows.append(("full cycle: overlap + kv_aware + ledger + refresh", n, p50, p99))
 
-    print(f"# Decision cost — python {platform.python_version()}, {platform.machine()}, "
-          f"{platform.processor() or 'cpu n/a'}\n")
-    print("command: `python bench/decision.py " + " ".join(sys.argv[1:]) + "`\n")
+    print(f"# Decision cost — {machine.describe()}\n")
+    print("command: `" + " ".join(["python bench/decision.py", *sys.argv[1:]]) + "`\n")
     print("| what | workers | p50 µs | p99 µs | kv_aware p50 target |")
     print("|---|---:|---:|---:|---:|")
     for what, n, a, b in rows:

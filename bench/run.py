@@ -37,7 +37,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "1")
 
-from bench import report  # noqa: E402
+from bench import machine, report  # noqa: E402
 from bench.loadgen import Target, chat_body, run_closed, run_trace  # noqa: E402
 from bench.workloads import make_trace, trace_digest  # noqa: E402
 
@@ -111,16 +111,10 @@ def machine_info() -> dict[str, Any]:
     info: dict[str, Any] = {
         "platform": platform.platform(), "python": platform.python_version(), "cores": os.cpu_count(),
     }
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal"):
-                info["memory_gb"] = round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
+    info["cpu"] = machine.cpu_model()
+    mem = machine.memory_gb()
+    if mem is not None:
+        info["memory_gb"] = mem
     try:
         import ray
 

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -109,7 +110,8 @@ class KvAwareConfig:
 
 
 _INF = float("inf")
-_NUMPY_FROM = 48  # fleets at least this large are scored with numpy (fixed overhead ≈ 8 µs)
+_NUMPY_FROM = 64  # fleets at least this large are scored with numpy (fixed overhead ≈ 8–9 µs;
+# measured crossover of the dense-overlap case on 3.11, `bench/decision.py`)
 
 Row = tuple[float, float, float, float, float, float]
 
@@ -143,9 +145,9 @@ class KvAware:
 
     def row(self, w: WorkerView, block_tokens: int) -> Row:
         """(base, slope, headroom, capacity_tokens, room, hot) of one worker, base = inf when it
-        is down: cost(new) = scale·(base + (slope + live_weight·hot/P)·new
-                                    + kv_overflow_weight·max(0, new − headroom)
-                                    + eviction_weight·min(new, max(0, new − room)))."""
+        is down, room ≥ 0: cost(new) = scale·(base + (slope + live_weight·hot/P)·new
+                                              + kv_overflow_weight·max(0, new − headroom)
+                                              + eviction_weight·max(0, new − room))."""
         cfg = self.config
         ps = w.page_size / block_tokens
         kv0 = w.kv_active_blocks * ps + w.pending_kv_blocks
@@ -159,7 +161,7 @@ class KvAware:
         if w.kv_total_blocks:
             total = w.kv_total_blocks * ps
             headroom = cfg.kv_high_watermark * total - kv0
-            room = min(total - kv0, cfg.kv_high_watermark * total - w.hot_blocks)
+            room = max(0.0, min(total - kv0, cfg.kv_high_watermark * total - w.hot_blocks))
             cap = float(w.kv_total_blocks * w.page_size)
         else:
             headroom, room, cap = _INF, _INF, 0.0
@@ -180,7 +182,7 @@ class KvAware:
             cost = cost.tolist()
         else:
             rows = [self.row(w, request.block_tokens) for w in workers]
-            cost, _, _ = self._score(request, rows, [w.name for w in workers], self._scales(rows))
+            cost, _ = self._score(request, rows, [w.name for w in workers], self._scales(rows))
         return {w.name: c for w, c in zip(workers, cost) if c != _INF}
 
     def choose(
@@ -200,31 +202,41 @@ class KvAware:
             scale = self._scales(rows)
             names = [w.name for w in workers]
         cfg = self.config
-        cost, apos, aov = self._score(request, rows, names, scale)
+        cost, ovs = self._score(request, rows, names, scale)
         best = min(cost, default=_INF)
         if best == _INF:
             _raise_none(workers)
         P = request.prompt_blocks
-        if apos:
+        if ovs is not None:
             # the affine worker among the near-minimum ones: most overlap, then cheapest, then
-            # random — one plain pass (affine workers are few; generators cost more than the work)
+            # random — one plain pass (generators and key functions cost more than the work)
             limit = best * (1.0 + cfg.tolerance) + cfg.tolerance_blocks + _EPS
-            pick_o = -1
+            floor = max(1, cfg.min_overlap_blocks)
+            pick_o = 0
             cmin = _INF
             cand: list[int] = []
-            for i, o in zip(apos, aov):
-                c = cost[i]
-                if c > limit or o < pick_o:
+            i = -1
+            for o in ovs:
+                i += 1
+                if o < floor:
                     continue
+                c = cost[i]
+                if c > limit:  # (down workers cost inf)
+                    continue
+                if o > P:
+                    o = P
                 if o > pick_o:
-                    pick_o, cmin, cand = o, c, [i]
+                    pick_o = floor = o
+                    cmin, cand = c, [i]
                 else:
                     cand.append(i)
                     if c < cmin:
                         cmin = c
             if cand:
-                ties = cand if len(cand) < 2 else sorted(i for i in cand if cost[i] <= cmin + _EPS)
-                i = ties[0] if len(ties) == 1 else rng.choice(ties)
+                if len(cand) > 1:
+                    lim = cmin + _EPS
+                    cand = [i for i in cand if cost[i] <= lim]
+                i = cand[0] if len(cand) == 1 else rng.choice(cand)
                 return self._affine(workers[i], pick_o, P, cost[i], best)
         lim = best + _EPS
         mins = [i for i, c in enumerate(cost) if c <= lim]
@@ -245,40 +257,40 @@ class KvAware:
                          f" ({len(mins)} tied)" if len(mins) > 1 else ""))
 
     def _score(self, request: RouteRequest, rows: list[Row], names: Sequence[str],
-               scale: list[float] | None) -> tuple[list[float], list[int], list[int]]:
-        """(cost per position, inf for down ones; positions of affine workers; their overlaps)."""
+               scale: list[float] | None) -> tuple[list[float], list[int] | None]:
+        """(cost per position, inf for down ones; overlap per position, None when the request
+        overlaps no worker)."""
         cfg = self.config
         P = request.prompt_blocks
         ow = cfg.kv_overflow_weight
         ew = cfg.eviction_weight
-        min_o = max(1, cfg.min_overlap_blocks)
-        out: list[float] = []
-        apos: list[int] = []
-        aov: list[int] = []
-        append = out.append
-        ovget = request.overlap.get if request.overlap else None
         lw = cfg.live_weight / P if P else 0.0
-        i = -1
-        for (b, k, hr, _, room, hot), name in zip(rows, names):
-            i += 1
-            o = ovget(name, 0) if ovget is not None else 0
-            if o >= min_o and b != _INF:
-                if o > P:
-                    o = P
-                apos.append(i)
-                aov.append(o)
-                new = P - o
-            else:
-                new = P
-            c = ((k + lw * hot) if lw else k) * new + b
-            if new > hr:
-                c += ow * (new - hr)
-            if new > room:
-                c += ew * (new - room if room > 0 else new)
-            append(c)
+        out: list[float] = []
+        append = out.append
+        ov = request.overlap
+        if ov:
+            ovs = list(map(ov.get, names, repeat(0)))
+            min_o = max(1, cfg.min_overlap_blocks)
+            for (b, k, hr, _, room, hot), o in zip(rows, ovs):
+                new = P if o < min_o else (P - o if o < P else 0)
+                c = (k + lw * hot) * new + b
+                if new > hr:
+                    c += ow * (new - hr)
+                if new > room:
+                    c += ew * (new - room)
+                append(c)
+        else:
+            ovs = None
+            for b, k, hr, _, room, hot in rows:
+                c = (k + lw * hot) * P + b
+                if P > hr:
+                    c += ow * (P - hr)
+                if P > room:
+                    c += ew * (P - room)
+                append(c)
         if scale is not None:
             out = [c * f for c, f in zip(out, scale)]
-        return out, apos, aov
+        return out, ovs
 
     def _cost_numpy(self, request: RouteRequest, fleet: FleetView,
                     cols: Columns) -> tuple[np.ndarray, np.ndarray | None]:
@@ -300,14 +312,17 @@ class KvAware:
                 slope = eff
         if m:
             n = len(base)
-            o = np.zeros(n + 1)  # slot n takes the names no longer in the fleet (position −1)
-            o[np.fromiter(map(fleet.position_or_minus_one, ovmap), np.intp, m)] = np.fromiter(
-                ovmap.values(), np.float64, m)
-            o = o[:n]
+            if 2 * m >= n:  # most workers overlap: look each worker up (one C-level pass)
+                o = np.fromiter(map(ovmap.get, fleet.names, repeat(0)), np.int64, n)
+            else:  # a few do: scatter by position; slot n takes names no longer in the fleet (-1)
+                o = np.zeros(n + 1, np.int64)
+                o[np.fromiter(map(fleet.position_or_minus_one, ovmap), np.intp, m)] = np.fromiter(
+                    ovmap.values(), np.int64, m)
+                o = o[:n]
             np.minimum(o, P, out=o)
             min_o = max(1, cfg.min_overlap_blocks)
             if min_o > 1:
-                o[o < min_o] = 0.0
+                o[o < min_o] = 0
             new: Any = P - o
             cost = slope * new
         else:
@@ -318,12 +333,18 @@ class KvAware:
         if hmin is None or P > hmin:  # (re)compute the exact minimum before paying for the term
             hmin = ex["hmin"] = float(headroom.min())
         if P > hmin:
-            cost += cfg.kv_overflow_weight * np.maximum(new - headroom, 0.0)
+            t = new - headroom
+            np.maximum(t, 0.0, out=t)
+            t *= cfg.kv_overflow_weight
+            cost += t
         rmin = ex.get("rmin")
         if rmin is None or P > rmin:
             rmin = ex["rmin"] = float(room.min())
-        if P > rmin:
-            cost += cfg.eviction_weight * np.minimum(np.maximum(new - room, 0.0), new)
+        if P > rmin:  # room ≥ 0, so max(0, new − room) ≤ new: the eviction term needs no min
+            t = new - room
+            np.maximum(t, 0.0, out=t)
+            t *= cfg.eviction_weight
+            cost += t
         scale = ex.get("scale", False)
         if scale is False:
             scale = ex["scale"] = self._scales_numpy(cols)
@@ -335,18 +356,18 @@ class KvAware:
                       rng: random.Random) -> Decision:
         cfg = self.config
         cost, o = self._cost_numpy(request, fleet, cols)
-        best = float(cost.min())
+        best = float(cost[cost.argmin()])  # argmin + index: a third of min()'s reduction overhead
         if best == _INF:
             _raise_none(fleet)
         if o is not None:
             limit = best * (1.0 + cfg.tolerance) + cfg.tolerance_blocks + _EPS
-            near = np.where(cost <= limit, o, 0.0)
-            omax = float(near.max())
+            near = np.where(cost <= limit, o, 0)
+            omax = int(near[near.argmax()])
             if omax >= max(1, cfg.min_overlap_blocks):
                 cand = np.flatnonzero(near == omax)
                 if len(cand) > 1:
                     cc = cost[cand]
-                    cand = cand[cc <= cc.min() + _EPS]
+                    cand = cand[cc <= cc[cc.argmin()] + _EPS]
                 i = int(cand[0]) if len(cand) == 1 else rng.choice(cand.tolist())
                 return self._affine(fleet[i], omax, request.prompt_blocks, cost[i], best)
         return self._cheapest(request, fleet, np.flatnonzero(cost <= best + _EPS).tolist(), rng, best)
