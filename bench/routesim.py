@@ -10,7 +10,9 @@ which makes policy changes comparable on a shared 2-core machine where the wall-
 delay) and every peer's real implementation — figures that compare with peers come from
 `bench.run` only. `cache_aware*` here is a *model* of sglang-router's cache_aware policy (approximate
 per-worker prefix tree of request text, LRU-bounded; balance thresholds on in-flight counts),
-kept as a yardstick for tuning.
+kept as a yardstick for tuning. `oracle` is another yardstick no router can implement: greedy with
+perfect information, it copies every engine (with its batch in flight), runs each forward with the
+request added and sends it where its first token would come first (future arrivals unknown).
 
     python -m bench.routesim [--workload shared_prefix] [--rates 12,24,30] [--duration 60]
                              [--policies kv_aware,cache_aware,round_robin] [--seeds 1]
@@ -19,6 +21,7 @@ kept as a yardstick for tuning.
 from __future__ import annotations
 
 import argparse
+import copy
 import heapq
 import itertools
 import random
@@ -38,7 +41,7 @@ from serve_app.follower import FleetFollower, WorkerRecord  # noqa: E402
 from serve_app.router import RouterCore  # noqa: E402
 from sim import tokenizer  # noqa: E402
 from sim.config import EngineConfig  # noqa: E402
-from sim.engine import Engine, KvReport  # noqa: E402
+from sim.engine import Batch, Engine, KvReport, NullListener  # noqa: E402
 
 PARAMS = {"shared_prefix": SP, "multi_turn": MT, "no_sharing": NS}
 
@@ -105,8 +108,42 @@ class _W:
     name: str
     engine: Engine
     busy: bool = False
+    batch: Batch | None = None  # the batch in flight while busy
+    batch_end: float = 0.0
     reports: list[KvReport] = field(default_factory=list)
     last_report_at: float = float("-inf")
+
+
+_PROBE = "__routesim_oracle_probe__"
+
+
+def first_token_at(w: _W, now: float, net_s: float, ids: list[int], max_tokens: int) -> float:
+    """When a request sent to `w` now would get its first token if nothing else arrived: a copy
+    of the engine and its batch in flight is run forward with the request added (the `oracle`)."""
+    engine, batch = copy.deepcopy((w.engine, w.batch if w.busy else None))
+    engine.listener = NullListener()
+    arrive = now + net_s
+    t, end = now, (w.batch_end if batch is not None else None)
+    probe_in = False
+    while True:
+        if end is None:
+            batch = engine.schedule(t)
+            if batch is None:
+                if probe_in:
+                    raise RuntimeError("the engine went idle with the probe queued")
+                t = arrive  # idle until the request lands
+                engine.submit(_PROBE, ids, max_tokens, arrive)
+                probe_in = True
+                batch = engine.schedule(t)
+                assert batch is not None
+            end = t + batch.duration
+        if not probe_in and end > arrive:  # lands while this batch runs
+            engine.submit(_PROBE, ids, max_tokens, arrive)
+            probe_in = True
+        for out in engine.complete(batch, end):
+            if out.rid == _PROBE and out.index == 0:
+                return end
+        t, end = end, None
 
 
 @dataclass
@@ -171,7 +208,7 @@ def run(workload: str, rate: float, duration_s: float, policy: str, *, seed: int
     clock: Callable[[], float] = lambda: now  # noqa: E731
     # kvroute's own decision plane, fed by hand instead of by the aggregator
     follower = FleetFollower(_no_aggregator)
-    core = RouterCore(RouterConfig(policy="kv_aware" if policy == "cache_aware" else policy,
+    core = RouterCore(RouterConfig(policy="kv_aware" if policy in ("cache_aware", "oracle") else policy,
                                    kv_aware=kv_aware or {}, seed=seed), follower, "sim", clock=clock)
 
     def update(name: str, metrics: dict[str, Any] | None, produced: float | None, state: str) -> None:
@@ -198,7 +235,7 @@ def run(workload: str, rate: float, duration_s: float, policy: str, *, seed: int
             return
         batch = w.engine.schedule(now)
         if batch is not None:
-            w.busy = True
+            w.busy, w.batch, w.batch_end = True, batch, now + batch.duration
             at(now + batch.duration, "complete", (w.name, batch))
 
     def state_of(n: str) -> str:
@@ -211,7 +248,12 @@ def run(workload: str, rate: float, duration_s: float, policy: str, *, seed: int
             msgs = build_messages(s, turn, replies[s.sid])
             body = {"model": "m", "messages": msgs, "max_tokens": s.turns[turn].max_tokens, "stream": True}
             rid = f"{s.sid}/{turn}"
-            if pol is not None:
+            if policy == "oracle":
+                ids = tokenizer.apply_chat_template(msgs)
+                eta = {n: first_token_at(ws[n], now, k.net_s, ids, s.turns[turn].max_tokens) for n in names}
+                first = min(eta.values())
+                name = rng.choice([n for n in names if eta[n] <= first + 1e-9])
+            elif pol is not None:
                 text = "".join(m["content"] for m in msgs)
                 name = pol.choose(text, ca_load, rng, now)
                 ca_load[name] += 1

@@ -1,0 +1,53 @@
+"""bench.routesim's oracle yardstick: its forecast matches what the engine then does, and the
+forecast leaves the real engine untouched."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.routesim import _W, first_token_at, run
+from sim.config import EngineConfig
+from sim.engine import Engine
+
+CFG = EngineConfig(page_size=16, max_total_num_tokens=12288, max_running_requests=32)
+
+
+def drive_until_first_token(w: _W, rid: str, t: float) -> float:
+    """Run the real engine (as routesim's event loop does) until `rid` gets its first token."""
+    while True:
+        if not w.busy:
+            w.batch = w.engine.schedule(t)
+            w.busy, w.batch_end = True, t + w.batch.duration
+        t = w.batch_end
+        outs = w.engine.complete(w.batch, t)
+        w.busy = False
+        if any(o.rid == rid and o.index == 0 for o in outs):
+            return t
+
+
+def test_idle_engine_first_token_is_one_prefill_after_arrival():
+    w = _W("w", Engine(CFG))
+    eta = first_token_at(w, 1.0, 0.001, list(range(2048)), 4)
+    # 5 ms launch + 60 µs per uncached token (sim.config)
+    assert eta == pytest.approx(1.001 + 0.005 + 2048 * 60e-6)
+    assert w.engine.is_idle and not w.engine.requests  # the forecast ran on a copy
+
+
+def test_forecast_on_a_busy_engine_matches_what_the_engine_then_does():
+    w = _W("w", Engine(CFG))
+    w.engine.submit("a", list(range(2048)), 8, 0.0)
+    w.engine.submit("b", list(range(3000, 4000)), 8, 0.0)
+    w.batch = w.engine.schedule(0.0)
+    w.busy, w.batch_end = True, w.batch.duration
+    ids = list(range(5000, 7048))
+    eta = first_token_at(w, 0.05, 0.001, ids, 8)
+    assert eta > w.batch_end  # waits for the prefill in flight
+    assert set(w.engine.requests) == {"a", "b"}  # untouched
+    w.engine.submit("probe", ids, 8, 0.051)
+    assert drive_until_first_token(w, "probe", 0.051) == pytest.approx(eta)
+
+
+def test_oracle_routes_a_whole_trace():
+    res = run("no_sharing", 12, 0.5, "oracle", seed=3)
+    assert res.requests > 0 and len(res.ttft) == res.requests
+    assert sum(res.per_worker.values()) == res.requests
