@@ -334,7 +334,7 @@ def main() -> int:
                     help="a kv_aware knob for every kv_aware run, e.g. --kv tolerance=0.5")
     ns = ap.parse_args()
     kv = {a.split("=", 1)[0]: float(a.split("=", 1)[1]) for a in ns.kv}
-    print(f"# routesim: {ns.workload}, {ns.duration:.0f} s window (warm-up {ns.warmup:.0f} s), "
+    print(f"# routesim: {ns.workload}, {ns.duration:g} s window (warm-up {ns.warmup:g} s), "
           f"engine {ENGINE}, kv_aware overrides {kv or 'none'}\n")
     print("| policy | rate | req/s | TTFT p50 ms | p99 ms | E2E p50 ms | hit % | spread |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
