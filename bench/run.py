@@ -33,9 +33,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("RAY_DEDUP_LOGS", "1")
 
 from bench import machine, report  # noqa: E402
 from bench.loadgen import Target, chat_body, run_closed, run_trace  # noqa: E402
@@ -303,6 +300,11 @@ async def run_overhead(targets: list[Target], cfg: dict[str, Any], base_seed: in
 
 
 def main(argv: list[str] | None = None) -> int:
+    # the benchmark's own loopback Ray (set here, not on import: importing bench.run — as
+    # bench.routesim and the tests do — must not change how another Ray in the process starts)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
     ap.add_argument("--suite", choices=sorted(SUITES), default="quick")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="results directory")

@@ -268,26 +268,16 @@ class KvAware:
         out: list[float] = []
         append = out.append
         ov = request.overlap
-        if ov:
-            ovs = list(map(ov.get, names, repeat(0)))
-            min_o = max(1, cfg.min_overlap_blocks)
-            for (b, k, hr, _, room, hot), o in zip(rows, ovs):
-                new = P if o < min_o else (P - o if o < P else 0)
-                c = (k + lw * hot) * new + b
-                if new > hr:
-                    c += ow * (new - hr)
-                if new > room:
-                    c += ew * (new - room)
-                append(c)
-        else:
-            ovs = None
-            for b, k, hr, _, room, hot in rows:
-                c = (k + lw * hot) * P + b
-                if P > hr:
-                    c += ow * (P - hr)
-                if P > room:
-                    c += ew * (P - room)
-                append(c)
+        ovs = list(map(ov.get, names, repeat(0))) if ov else None
+        min_o = max(1, cfg.min_overlap_blocks)
+        for (b, k, hr, _, room, hot), o in zip(rows, repeat(0) if ovs is None else ovs):
+            new = P if o < min_o else (P - o if o < P else 0)
+            c = (k + lw * hot) * new + b
+            if new > hr:
+                c += ow * (new - hr)
+            if new > room:
+                c += ew * (new - room)
+            append(c)
         if scale is not None:
             out = [c * f for c, f in zip(out, scale)]
         return out, ovs
