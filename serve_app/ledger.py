@@ -70,6 +70,7 @@ class LedgerView(NamedTuple):
     finished_kv_blocks: int = 0  # their KV blocks
     recent_finished: int = 0  # requests finished within followup_window_s (follow-ups expected)
     prefilling_reported: int = 0  # absorbed by the last report, still before first token
+    last_routed_at: float = 0.0  # when this replica last routed a request there (0 = never)
 
 
 class _Req:
@@ -87,7 +88,7 @@ class _Req:
 
 class _Worker:
     __slots__ = ("in_flight", "prefill", "kv", "pending", "pending_kv", "prefilling_reported",
-                 "queue", "reported_at", "gone", "gone_n", "gone_kv", "recent")
+                 "queue", "reported_at", "gone", "gone_n", "gone_kv", "recent", "last_routed")
 
     def __init__(self) -> None:
         self.in_flight = 0
@@ -102,6 +103,7 @@ class _Worker:
         self.gone_n = 0
         self.gone_kv = 0
         self.recent: deque[float] = deque()  # end times of requests finished lately
+        self.last_routed = 0.0  # when a request was last routed here
 
 
 class Ledger:
@@ -150,6 +152,7 @@ class Ledger:
         if w is None:
             w = self._workers[worker] = _Worker()
         w.in_flight += 1
+        w.last_routed = now
         w.prefill += new
         w.kv += new
         w.pending += 1
@@ -223,9 +226,10 @@ class Ledger:
         if w is None:
             return LedgerView(0, 0, 0, 0, remote)
         if idle:
-            return LedgerView(w.in_flight, w.in_flight, w.prefill, w.kv, remote, 0, 0, len(w.recent))
+            return LedgerView(w.in_flight, w.in_flight, w.prefill, w.kv, remote, 0, 0, len(w.recent), 0,
+                              w.last_routed)
         return LedgerView(w.in_flight, w.pending, w.prefill, w.pending_kv, remote,
-                          w.gone_n, w.gone_kv, len(w.recent), w.prefilling_reported)
+                          w.gone_n, w.gone_kv, len(w.recent), w.prefilling_reported, w.last_routed)
 
     def in_flight(self, worker: str) -> int:
         w = self._workers.get(worker)
@@ -239,7 +243,8 @@ class Ledger:
         lv = self.view(v.name, idle=idle)
         if idle:
             return WorkerView(v.name, v.url, v.state, v.page_size, 0, v.total_slots, 0, 0,
-                              v.kv_total_blocks, *lv[:5], v.hot_blocks, lv.recent_finished)
+                              v.kv_total_blocks, *lv[:5], v.hot_blocks, lv.recent_finished,
+                              v.reused_blocks, lv.last_routed_at)
         running, waiting, kv = v.running, v.waiting, v.kv_active_blocks
         if lv.finished:  # ended since the report: out of its running (then waiting) and KV figures
             gone = lv.finished
@@ -250,7 +255,8 @@ class Ledger:
         if lv.prefilling_reported:  # their prefill is in pending_prefill_blocks already
             waiting = max(0, waiting - lv.prefilling_reported)
         return WorkerView(v.name, v.url, v.state, v.page_size, running, v.total_slots, waiting,
-                          kv, v.kv_total_blocks, *lv[:5], v.hot_blocks, lv.recent_finished)
+                          kv, v.kv_total_blocks, *lv[:5], v.hot_blocks, lv.recent_finished,
+                          v.reused_blocks, lv.last_routed_at)
 
     def take_dirty(self) -> set[str]:
         """Workers whose ledger figures changed since the last call (rebuild only their views)."""

@@ -143,6 +143,12 @@ class PrefixIndex:
         fresh = self._fresh.get(worker)
         return (len(hot) if hot else 0) + (len(fresh) if fresh else 0)
 
+    def reused_blocks(self, worker: str) -> int:
+        """The part of `hot_blocks` that was reused lately (sent there twice or more), not just sent
+        once: prefixes whose next requests are likely (shared system prompts, conversations)."""
+        hot = self._hot.get(worker)
+        return len(hot) if hot else 0
+
     def take_changed(self, now: float | None = None) -> set[str]:
         """Workers whose `hot_blocks` changed since the last call (reuse older than
         `hot_window_s` is let go here, at most every 0.1 s: O(workers) then)."""

@@ -22,9 +22,9 @@ from serve_app.prompt_tokens import body_token_ids, load_tokenizer
 from serve_app.request_facts import FactsConfig, facts_from_body
 
 
-def base_view(rec: WorkerRecord, hot_blocks: int = 0) -> WorkerView:
-    """A worker as its last report shows it, with the prefix index's hot blocks (the ledger adds
-    its own figures on top)."""
+def base_view(rec: WorkerRecord, hot_blocks: int = 0, reused_blocks: int = 0) -> WorkerView:
+    """A worker as its last report shows it, with the prefix index's hot (and of those, reused)
+    blocks (the ledger adds its own figures on top)."""
     m = rec.metrics or {}
     return WorkerView(
         name=rec.name,
@@ -37,6 +37,7 @@ def base_view(rec: WorkerRecord, hot_blocks: int = 0) -> WorkerView:
         kv_active_blocks=m.get("kv_active_blocks", 0),
         kv_total_blocks=m.get("kv_total_blocks", 0),
         hot_blocks=hot_blocks,
+        reused_blocks=reused_blocks,
     )
 
 
@@ -97,7 +98,7 @@ class RouterCore:
             # never match the engine's token blocks, so following would erase all affinity
             if actor_name and self.kv_follower is not None and self.config.tokenizer != "none":
                 self.kv_follower.ensure(name, actor_name)
-            base = base_view(rec, self.prefix.hot_blocks(name))
+            base = base_view(rec, self.prefix.hot_blocks(name), self.prefix.reused_blocks(name))
             self._base[name] = base
             self.fleet.update(self.ledger.apply(base))
             for replica, counts in self._remote.items():
@@ -125,7 +126,8 @@ class RouterCore:
         if hot:
             hot &= self._base.keys()
             for name in hot:
-                self._base[name] = replace(self._base[name], hot_blocks=self.prefix.hot_blocks(name))
+                self._base[name] = replace(self._base[name], hot_blocks=self.prefix.hot_blocks(name),
+                                           reused_blocks=self.prefix.reused_blocks(name))
         refresh_fleet(self.fleet, self._base, self.ledger, also=hot)
         return self.fleet
 

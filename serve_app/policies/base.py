@@ -44,6 +44,10 @@ class WorkerView:
     hot_blocks: int = 0
     # ledger: requests this replica saw finish there within LedgerConfig.followup_window_s
     recent_finished: int = 0
+    # prefix index: the part of hot_blocks reused lately, not just sent once (`reused_blocks`)
+    reused_blocks: int = 0
+    # ledger: when this replica last routed a request there (ledger clock; 0 = never)
+    last_routed_at: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

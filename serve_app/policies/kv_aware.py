@@ -41,12 +41,19 @@ follow-up (small new / P) almost nothing. That is what sends a conversation's fi
 worker with the fewest conversations in flight rather than to the one that only looks idle
 because its conversations are between turns.
 `recent_finished` counts requests that finished on w within the ledger's follow-up window (an
-older, noisier estimate of the same thing; `followup_weight` is 0 by default). Choice: let c* = min cost; the near set is every w with
-cost ≤ c*·(1 + tolerance) + tolerance_blocks. If some near worker has o ≥ min_overlap_blocks, pick
-the near worker with the largest o (then the lowest cost, then at random); otherwise pick at random
-among the workers whose cost equals c*. Affinity therefore never beats load blindly: a hot prefix
-stays on its worker while that worker is within tolerance of the best, and spreads once its
-queue, slots or KV make it costlier.
+older, noisier estimate of the same thing; `followup_weight` is 0 by default).
+
+Choice: let c* = min cost; the near set is every w with cost ≤ c*·(1 + tolerance) +
+tolerance_blocks. If some near worker has o ≥ min_overlap_blocks, pick the near worker with the
+largest o (then the lowest cost, then at random). Affinity therefore never beats load blindly: a
+hot prefix stays on its worker while that worker is within tolerance of the best, and spreads once
+its queue, slots or KV make it costlier. Otherwise, when no routable worker holds reused prefixes
+(`reused_blocks`: nothing live to protect), workers take turns: of those with cost ≤
+c*·(1 + turn_tolerance) + tolerance_blocks, the one this router routed to longest ago
+(`last_routed_at`; ties at random) — identical cold requests then reach every worker evenly
+spaced, as with round-robin, where cost differences are mostly report lag and a greedy pick,
+even one with perfect information, has a longer tail. Else pick at random among the workers whose
+cost equals c*.
 """
 
 from __future__ import annotations
@@ -98,11 +105,18 @@ class KvAwareConfig:
     ledger's follow-up window (expected follow-ups that would wait behind it). Off by default:
     `live_weight` estimates the same from the hot set, steadier than a 1-second count (virtual-time
     multi-turn TTFT p50 79 → 27 ms at 16 req/s, `bench/results/routesim.md`)."""
+    turn_tolerance: float = 0.25
+    """When no routable worker holds reused prefixes and the request goes to no affine worker,
+    take turns: of the workers within c*·(1+turn_tolerance) + tolerance_blocks, the one this
+    router sent a request to longest ago. Identical cold requests then reach each worker evenly
+    spaced, as with round-robin, instead of by cost differences that are mostly report lag
+    (virtual-time no-sharing TTFT p99 equal to round-robin's at 8–24 req/s, was up to 1.2×;
+    `bench/results/routesim.md`). 0 disables it."""
 
     def __post_init__(self) -> None:
         for f in ("prefill_weight", "queued_request_blocks", "remote_request_blocks",
                   "kv_overflow_weight", "tolerance", "tolerance_blocks", "eviction_weight",
-                  "live_weight", "followup_weight"):
+                  "live_weight", "followup_weight", "turn_tolerance"):
             if getattr(self, f) < 0:
                 raise ValueError(f"KvAwareConfig.{f} must be ≥ 0, got {getattr(self, f)}")
         if not 0 < self.kv_high_watermark <= 1:
@@ -113,7 +127,7 @@ _INF = float("inf")
 _NUMPY_FROM = 64  # fleets at least this large are scored with numpy (fixed overhead ≈ 8–9 µs;
 # measured crossover of the dense-overlap case on 3.11, `bench/decision.py`)
 
-Row = tuple[float, float, float, float, float, float]
+Row = tuple[float, float, float, float, float, float, float, float]
 
 
 def _on_row_set(cols: Columns, old: Row, new: Row) -> None:
@@ -131,6 +145,11 @@ def _on_row_set(cols: Columns, old: Row, new: Row) -> None:
         ex["rmin"] = new[4]
     if new[5] and ex.get("anyhot") is False:
         ex["anyhot"] = True
+    if new[6]:
+        if ex.get("anyreused") is False:
+            ex["anyreused"] = True
+    elif old[6]:
+        ex.pop("anyreused", None)  # maybe the last worker with reused prefixes: recount lazily
 
 
 class KvAware:
@@ -144,8 +163,8 @@ class KvAware:
         self._rowfns: dict[int, Callable[[WorkerView], Row]] = {}
 
     def row(self, w: WorkerView, block_tokens: int) -> Row:
-        """(base, slope, headroom, capacity_tokens, room, hot) of one worker, base = inf when it
-        is down, room ≥ 0: cost(new) = scale·(base + (slope + live_weight·hot/P)·new
+        """(base, slope, headroom, capacity_tokens, room, hot, reused, last_routed_at) of one
+        worker, base = inf and reused = 0 when it is down, room ≥ 0: cost(new) = scale·(base + (slope + live_weight·hot/P)·new
                                               + kv_overflow_weight·max(0, new − headroom)
                                               + eviction_weight·max(0, new − room))."""
         cfg = self.config
@@ -165,9 +184,10 @@ class KvAware:
             cap = float(w.kv_total_blocks * w.page_size)
         else:
             headroom, room, cap = _INF, _INF, 0.0
-        return (_INF if w.state == "down" else base,
+        down = w.state == "down"
+        return (_INF if down else base,
                 cfg.prefill_weight + 1.0 + cfg.followup_weight * w.recent_finished, headroom, cap, room,
-                float(w.hot_blocks))
+                float(w.hot_blocks), 0.0 if down else float(w.reused_blocks), w.last_routed_at)
 
     def _columns(self, fleet: FleetView, block_tokens: int) -> Columns:
         fn = self._rowfns.get(block_tokens)
@@ -193,14 +213,16 @@ class KvAware:
             rows = cols.rows
             if len(rows) >= _NUMPY_FROM:
                 return self._choose_numpy(request, workers, cols, rng)
-            scale = cols.extra.get("scale", False)
+            ex = cols.extra
+            scale = ex.get("scale", False)
             if scale is False:
-                scale = cols.extra["scale"] = self._scales(rows)
+                scale = ex["scale"] = self._scales(rows)
             names = workers.names
         else:
             rows = [self.row(w, request.block_tokens) for w in workers]
             scale = self._scales(rows)
             names = [w.name for w in workers]
+            ex = {}
         cfg = self.config
         cost, ovs = self._score(request, rows, names, scale)
         best = min(cost, default=_INF)
@@ -238,6 +260,17 @@ class KvAware:
                     cand = [i for i in cand if cost[i] <= lim]
                 i = cand[0] if len(cand) == 1 else rng.choice(cand)
                 return self._affine(workers[i], pick_o, P, cost[i], best)
+        if cfg.turn_tolerance:
+            anyreused = ex.get("anyreused")
+            if anyreused is None:
+                anyreused = ex["anyreused"] = any(r[6] for r in rows)
+            if not anyreused:
+                limit = best * (1.0 + cfg.turn_tolerance) + cfg.tolerance_blocks + _EPS
+                near = [i for i, c in enumerate(cost) if c <= limit]
+                if len(near) > 1:
+                    oldest = min(rows[i][7] for i in near)
+                    turn = [i for i in near if rows[i][7] == oldest]
+                    return self._turn(request, workers, turn, len(near), cost, rng, best)
         lim = best + _EPS
         mins = [i for i, c in enumerate(cost) if c <= lim]
         return self._cheapest(request, workers, mins, rng, best)
@@ -245,6 +278,16 @@ class KvAware:
     def _affine(self, w: WorkerView, o: float, P: int, c: float, best: float) -> Decision:
         return Decision(w.name, w.url, self.name,
                         ("overlap={}/{} blocks, cost={:.1f} (min {:.1f})", int(o), P, float(c), best))
+
+    def _turn(self, request: RouteRequest, workers: Sequence[WorkerView], turn: list[int], near: int,
+              cost: Any, rng: random.Random, best: float) -> Decision:
+        i = turn[0] if len(turn) == 1 else rng.choice(turn)
+        w = workers[i]
+        P = request.prompt_blocks
+        o = min(request.overlap.get(w.name, 0), P) if request.overlap else 0
+        return Decision(w.name, w.url, self.name,
+                        ("overlap={}/{} blocks, cost={:.1f} (min {:.1f}): its turn of {} near the minimum"
+                         " (no reused prefixes)", o, P, float(cost[i]), best, near))
 
     def _cheapest(self, request: RouteRequest, workers: Sequence[WorkerView], mins: list[int],
                   rng: random.Random, best: float) -> Decision:
@@ -270,7 +313,7 @@ class KvAware:
         ov = request.overlap
         ovs = list(map(ov.get, names, repeat(0))) if ov else None
         min_o = max(1, cfg.min_overlap_blocks)
-        for (b, k, hr, _, room, hot), o in zip(rows, repeat(0) if ovs is None else ovs):
+        for (b, k, hr, _, room, hot, _, _), o in zip(rows, repeat(0) if ovs is None else ovs):
             new = P if o < min_o else (P - o if o < P else 0)
             c = (k + lw * hot) * new + b
             if new > hr:
@@ -288,7 +331,7 @@ class KvAware:
         the request overlaps no worker) — a dozen vectorised operations whatever the fleet size."""
         cfg = self.config
         P = request.prompt_blocks
-        base, slope, headroom, _cap, room, hot = cols.arrays
+        base, slope, headroom, _cap, room, hot, _reused, _last = cols.arrays
         ovmap = request.overlap
         m = len(ovmap) if ovmap else 0
         ex = cols.extra
@@ -360,13 +403,26 @@ class KvAware:
                     cand = cand[cc <= cc[cc.argmin()] + _EPS]
                 i = int(cand[0]) if len(cand) == 1 else rng.choice(cand.tolist())
                 return self._affine(fleet[i], omax, request.prompt_blocks, cost[i], best)
+        if cfg.turn_tolerance:
+            ex = cols.extra
+            anyreused = ex.get("anyreused")
+            if anyreused is None:
+                anyreused = ex["anyreused"] = bool(cols.arrays[6].any())
+            if not anyreused:
+                limit = best * (1.0 + cfg.turn_tolerance) + cfg.tolerance_blocks + _EPS
+                near = cost <= limit
+                n_near = int(np.count_nonzero(near))
+                if n_near > 1:
+                    last = np.where(near, cols.arrays[7], _INF)
+                    turn = np.flatnonzero(last == last[last.argmin()]).tolist()
+                    return self._turn(request, fleet, turn, n_near, cost, rng, best)
         return self._cheapest(request, fleet, np.flatnonzero(cost <= best + _EPS).tolist(), rng, best)
 
     def _scales_numpy(self, cols: Columns) -> np.ndarray | None:
         """`_scales` over cached columns, vectorised (recomputed after a capacity changes)."""
         if not self.config.normalize_by_capacity:
             return None
-        base, _, _, cap, _, _ = cols.arrays
+        base, cap = cols.arrays[0], cols.arrays[3]
         known = cap[(cap > 0) & (base != _INF)]
         if not len(known) or known.min() == known.max():
             return None

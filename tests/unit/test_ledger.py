@@ -23,6 +23,11 @@ def clock() -> Clock:
     return Clock()
 
 
+def counts(view: LedgerView) -> LedgerView:
+    """The view's counts (when the worker was last routed to has its own test)."""
+    return view._replace(last_routed_at=0.0)
+
+
 @pytest.fixture
 def ledger(clock: Clock) -> Ledger:
     return Ledger(LedgerConfig(report_latency_s=0.1, remote_ttl_s=2.0), replica_id="me", clock=clock)
@@ -30,13 +35,24 @@ def ledger(clock: Clock) -> Ledger:
 
 def test_a_routed_request_counts_prefill_and_kv_until_it_ends(ledger):
     ledger.on_routed("r1", "w", prompt_blocks=40, cached_blocks=30)
-    assert ledger.view("w") == LedgerView(in_flight=1, pending=1, pending_prefill_blocks=10,
+    assert counts(ledger.view("w")) == LedgerView(in_flight=1, pending=1, pending_prefill_blocks=10,
                                           pending_kv_blocks=10, remote_pending=0)
     ledger.on_first_token("r1")  # prefill done: KV stays held until the end
-    assert ledger.view("w") == LedgerView(1, 1, 0, 10, 0)
+    assert counts(ledger.view("w")) == LedgerView(1, 1, 0, 10, 0)
     ledger.on_finished("r1")
     # gone, and counted as recently finished on w (its follow-up may come next)
-    assert ledger.view("w") == LedgerView(0, 0, 0, 0, 0, recent_finished=1)
+    assert counts(ledger.view("w")) == LedgerView(0, 0, 0, 0, 0, recent_finished=1)
+
+
+def test_the_view_says_when_this_replica_last_routed_to_the_worker(ledger, clock):
+    assert ledger.view("w").last_routed_at == 0.0  # never
+    ledger.on_routed("r1", "w", prompt_blocks=4)
+    clock.t = 101.5
+    ledger.on_routed("r2", "w", prompt_blocks=4)
+    ledger.on_finished("r2")
+    assert ledger.view("w").last_routed_at == 101.5  # kept after the request ends
+    assert ledger.view("w", idle=True).last_routed_at == 101.5
+    assert ledger.apply(WorkerView("w", "http://w", "live")).last_routed_at == 101.5
 
 
 def test_failed_and_unknown_and_repeated_end_hooks_are_harmless(ledger):
@@ -46,7 +62,7 @@ def test_failed_and_unknown_and_repeated_end_hooks_are_harmless(ledger):
     ledger.on_finished("r1")
     ledger.on_first_token("nope")
     ledger.on_finished("nope")
-    assert ledger.view("w") == LedgerView(0, 0, 0, 0, 0)
+    assert counts(ledger.view("w")) == LedgerView(0, 0, 0, 0, 0)
 
 
 def test_a_retry_with_the_same_id_moves_the_request_to_the_new_worker(ledger):
@@ -68,20 +84,20 @@ def test_a_report_absorbs_dispatches_routed_before_it_minus_latency(ledger, cloc
     clock.t += 0.2
     ledger.on_report("w", at=clock.t)
     # both in the report now; their prefill still counts (a report never shows the work left)
-    assert ledger.view("w") == LedgerView(2, 0, 30, 0, 0, prefilling_reported=2)
+    assert counts(ledger.view("w")) == LedgerView(2, 0, 30, 0, 0, prefilling_reported=2)
     ledger.on_first_token("old")
     ledger.on_first_token("recent")
-    assert ledger.view("w") == LedgerView(2, 0, 0, 0, 0)
+    assert counts(ledger.view("w")) == LedgerView(2, 0, 0, 0, 0)
     ledger.on_finished("old")
     ledger.on_finished("recent")
     # both are in the last report's figures: they stay "finished since" until a newer report
-    assert ledger.view("w") == LedgerView(0, 0, 0, 0, 0, finished=2, finished_kv_blocks=30, recent_finished=2)
+    assert counts(ledger.view("w")) == LedgerView(0, 0, 0, 0, 0, finished=2, finished_kv_blocks=30, recent_finished=2)
     clock.t += 0.01
     ledger.on_report("w", at=clock.t)
-    assert ledger.view("w") == LedgerView(0, 0, 0, 0, 0, recent_finished=2)
+    assert counts(ledger.view("w")) == LedgerView(0, 0, 0, 0, 0, recent_finished=2)
     clock.t += 1.0  # past the follow-up window
     assert "w" in ledger.take_dirty()
-    assert ledger.view("w") == LedgerView(0, 0, 0, 0, 0)
+    assert counts(ledger.view("w")) == LedgerView(0, 0, 0, 0, 0)
 
 
 def test_requests_ending_after_the_report_leave_its_figures(clock):
@@ -140,7 +156,7 @@ def test_idle_worker_counts_every_in_flight_request_even_absorbed_ones(ledger, c
     clock.t += 1
     ledger.on_report("w", at=clock.t)
     assert ledger.view("w").pending == 0
-    assert ledger.view("w", idle=True) == LedgerView(2, 2, 10, 16, 0)
+    assert counts(ledger.view("w", idle=True)) == LedgerView(2, 2, 10, 16, 0)
 
 
 def test_apply_zeroes_an_idle_workers_stale_report_but_keeps_capacity_and_in_flight(ledger):
@@ -199,7 +215,7 @@ def test_requests_never_finished_are_forgotten_after_max_age(clock):
 def test_remove_worker_forgets_it(ledger):
     ledger.on_routed("a", "w", 4)
     ledger.remove_worker("w")
-    assert ledger.view("w") == LedgerView(0, 0, 0, 0, 0)
+    assert counts(ledger.view("w")) == LedgerView(0, 0, 0, 0, 0)
     ledger.on_finished("a")  # a late end hook is harmless
     assert ledger.in_flight("w") == 0
 

@@ -247,14 +247,15 @@ def test_idle_workers_stale_busy_report_is_not_load_but_its_in_flight_is():
 def test_kv_over_the_high_watermark_is_penalised():
     ws = [worker("full", kv_active_blocks=3900), worker("roomy", kv_active_blocks=3200, waiting=6)]
     assert KvAware().choose(req(1024), ws, random.Random(0)).worker == "roomy"
-    cfg = KvAwareConfig(kv_overflow_weight=0.0)
+    cfg = KvAwareConfig(kv_overflow_weight=0.0, turn_tolerance=0.0)  # (costs 12 % apart: no turns)
     assert KvAware(cfg).choose(req(1024), ws, random.Random(0)).worker == "full"
 
 
 def test_a_cold_prompt_goes_where_it_evicts_no_reused_prefix():
     """Two hot system prompts fill w0's cache; a new one there would push one of them out (and it
     would be prefilled again on its next request): the cold prompt goes to w1 instead."""
-    ws = [worker("w0", kv_total_blocks=600, hot_blocks=500), worker("w1", kv_total_blocks=600, hot_blocks=250)]
+    ws = [worker("w0", kv_total_blocks=600, hot_blocks=500, reused_blocks=500),
+          worker("w1", kv_total_blocks=600, hot_blocks=250, reused_blocks=250)]
     picks = {KvAware().choose(req(4096), ws, random.Random(s)).worker for s in range(40)}
     assert picks == {"w1"}
     # without the eviction price (and the live-session price, which also prefers the smaller hot
@@ -271,8 +272,9 @@ def test_hot_prefixes_must_leave_the_running_requests_room():
     to its running requests, while w1 holds one and two of its requests just finished. A third
     prompt on w0 would keep evicting the other two (its running requests need room too), so the
     cold prompt goes to w1 despite its follow-up price — in live runs w0 took it and thrashed."""
-    ws = [worker("w0", kv_total_blocks=768, hot_blocks=512, kv_active_blocks=300),
-          worker("w1", kv_total_blocks=768, hot_blocks=256, kv_active_blocks=280, recent_finished=2)]
+    ws = [worker("w0", kv_total_blocks=768, hot_blocks=512, reused_blocks=512, kv_active_blocks=300),
+          worker("w1", kv_total_blocks=768, hot_blocks=256, reused_blocks=256, kv_active_blocks=280,
+                 recent_finished=2)]
     assert {KvAware().choose(req(4224), ws, random.Random(s)).worker for s in range(40)} == {"w1"}
     # the room rule alone (live-session price off, the follow-up price of that run on) ...
     alone = KvAwareConfig(live_weight=0.0, followup_weight=0.3)
@@ -280,6 +282,32 @@ def test_hot_prefixes_must_leave_the_running_requests_room():
     # ... and with the whole pool as room the follow-up price wins and w0 takes its third prefix
     no_watermark = KvAware(replace(alone, kv_high_watermark=1.0))
     assert {no_watermark.choose(req(4224), ws, random.Random(s)).worker for s in range(40)} == {"w0"}
+
+
+def test_when_nothing_is_reused_cold_requests_take_turns_among_the_near_cheapest():
+    """No worker holds reused prefixes (no live sessions to protect): of the workers within
+    turn_tolerance of the cheapest, the one routed to longest ago takes the request — not the one
+    a few blocks cheaper — and a worker far costlier is never its turn."""
+    ws = [worker("w0", kv_active_blocks=40, last_routed_at=9.0),
+          worker("w1", kv_active_blocks=80, last_routed_at=5.0),
+          worker("w2", last_routed_at=7.0), worker("far", waiting=3, last_routed_at=1.0)]
+    d = KvAware().choose(req(4096), ws, random.Random(0))
+    assert d.worker == "w1" and "its turn of 3" in d.reason
+    # off: the cheapest (w2); and likewise once any worker holds reused prefixes
+    assert KvAware(KvAwareConfig(turn_tolerance=0.0)).choose(req(4096), ws, random.Random(0)).worker == "w2"
+    ws[3] = replace(ws[3], hot_blocks=256, reused_blocks=256)
+    assert KvAware().choose(req(4096), ws, random.Random(0)).worker == "w2"
+
+
+def test_identical_cold_requests_reach_each_worker_in_turn():
+    """Through the ledger (which dates every dispatch): 12 distinct prompts on 4 equal workers go
+    round the fleet three times, each worker once per round, while every one's prefill is still
+    running (the costs differ by the pending prefills, all within the tolerance)."""
+    r = Router("kv_aware", fleet(4))
+    picks = [r.route(chat(f"distinct prompt {i} " + "x " * 400))[0] for i in range(12)]
+    rounds = [picks[k:k + 4] for k in range(0, 12, 4)]
+    assert all(sorted(rd) == ["w0", "w1", "w2", "w3"] for rd in rounds), picks
+    assert rounds[1] == rounds[0] and rounds[2] == rounds[0]  # the same order each round
 
 
 def test_a_cold_prompt_avoids_the_worker_whose_conversations_are_between_turns():
@@ -339,7 +367,8 @@ def test_kv_aware_docstring_states_the_formula():
     import serve_app.policies.kv_aware as mod
 
     for term in ("prefill_weight", "queued_request_blocks", "kv_high_watermark", "tolerance",
-                 "eviction_weight", "hot_blocks", "followup_weight", "recent_finished"):
+                 "eviction_weight", "hot_blocks", "followup_weight", "recent_finished", "turn_tolerance",
+                 "reused_blocks", "last_routed_at"):
         assert term in mod.__doc__
 
 
@@ -353,7 +382,7 @@ def random_fleet(rng: random.Random, n: int) -> list[WorkerView]:
                kv_total_blocks=rng.choice([4096, 8192, 0]), pending=rng.randrange(3),
                pending_prefill_blocks=rng.randrange(200), pending_kv_blocks=rng.randrange(200),
                remote_pending=rng.randrange(2), hot_blocks=rng.randrange(8192),
-               recent_finished=rng.randrange(4))
+               recent_finished=rng.randrange(4), last_routed_at=rng.choice([0.0, 1.0, rng.uniform(0, 9)]))
         for i in range(n)
     ]
 
@@ -368,6 +397,8 @@ def test_fleet_view_decides_exactly_like_a_plain_list(n):
         views = random_fleet(rng, n)
         if all(v.state == "down" for v in views):
             continue
+        if trial % 3 == 0:  # some hold reused prefixes (no turn-taking) or none do
+            views = [replace(v, reused_blocks=v.hot_blocks // 2) for v in views]
         fv = FleetView(views)
         # a few workers overlap (scattered by position) or most do (looked up per worker)
         holders = 3 if trial % 2 else n
