@@ -114,6 +114,9 @@ def main() -> None:
         few = facts.with_overlap({w: b for w, b in ov.items() if b > 40})  # only the 4 deep holders
         p50, p99 = timeit(lambda: policy.choose(few, fv, r), iters)
         rows.append(("decision: kv_aware, only 4 workers with overlap", n, p50, p99))
+        cold = facts.with_overlap({})  # a prompt no worker holds (no reused prefixes: turn-taking)
+        p50, p99 = timeit(lambda: policy.choose(cold, fv, r), iters)
+        rows.append(("decision: kv_aware, cold prompt (no overlap)", n, p50, p99))
         p50, p99 = timeit(lambda: policy.choose(req, views, r), iters)
         rows.append(("(ref) kv_aware on a plain list (no cached columns)", n, p50, p99))
         # per request the router re-applies the ledger to the one worker it just routed to
