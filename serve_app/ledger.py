@@ -20,6 +20,9 @@ KV as active) until the next one — or, when that was the worker's last activit
 `idle_after_s`. So a request that a report absorbed and that finished after that report was
 produced is taken back out of the report's figures (`finished`) until a newer report arrives.
 
+The view also dates the replica's last dispatch to each worker (`last_routed_at`), which kv_aware
+uses to let workers take turns when nothing is shared.
+
 Router replicas share their pending counts (`export` / `merge_remote`) so they don't herd on each
 other either. Every event is O(1) amortised; the ledger is for one asyncio loop (not thread-safe).
 All times are on the ledger's clock (`time.monotonic` by default).
