@@ -130,6 +130,11 @@ _NUMPY_FROM = 64  # fleets at least this large are scored with numpy (fixed over
 Row = tuple[float, float, float, float, float, float, float, float]
 
 
+def _overlap_of(request: RouteRequest, worker: str) -> int:
+    """Leading blocks of the prompt `worker` is believed to hold (for a decision's reason)."""
+    return min(request.overlap.get(worker, 0), request.prompt_blocks) if request.overlap else 0
+
+
 def _on_row_set(cols: Columns, old: Row, new: Row) -> None:
     """Keeps kv_aware's fleet-wide figures current when one worker's row changes: the capacity
     scale only depends on capacities and which workers are down; `hmin`/`rmin` stay lower bounds
@@ -164,9 +169,10 @@ class KvAware:
 
     def row(self, w: WorkerView, block_tokens: int) -> Row:
         """(base, slope, headroom, capacity_tokens, room, hot, reused, last_routed_at) of one
-        worker, base = inf and reused = 0 when it is down, room ≥ 0: cost(new) = scale·(base + (slope + live_weight·hot/P)·new
-                                              + kv_overflow_weight·max(0, new − headroom)
-                                              + eviction_weight·max(0, new − room))."""
+        worker; base = inf and reused = 0 when it is down; room ≥ 0. Then
+            cost(new) = scale·(base + (slope + live_weight·hot/P)·new
+                               + kv_overflow_weight·max(0, new − headroom)
+                               + eviction_weight·max(0, new − room))."""
         cfg = self.config
         ps = w.page_size / block_tokens
         kv0 = w.kv_active_blocks * ps + w.pending_kv_blocks
@@ -284,7 +290,7 @@ class KvAware:
         i = turn[0] if len(turn) == 1 else rng.choice(turn)
         w = workers[i]
         P = request.prompt_blocks
-        o = min(request.overlap.get(w.name, 0), P) if request.overlap else 0
+        o = _overlap_of(request, w.name)
         return Decision(w.name, w.url, self.name,
                         ("overlap={}/{} blocks, cost={:.1f} (min {:.1f}): its turn of {} near the minimum"
                          " (no reused prefixes)", o, P, float(cost[i]), best, near))
@@ -294,7 +300,7 @@ class KvAware:
         i = mins[0] if len(mins) == 1 else rng.choice(mins)
         w = workers[i]
         P = request.prompt_blocks
-        o = min(request.overlap.get(w.name, 0), P) if request.overlap else 0
+        o = _overlap_of(request, w.name)
         return Decision(w.name, w.url, self.name,
                         ("overlap={}/{} blocks, cost={:.1f} = min of {}{}", o, P, best, len(workers),
                          f" ({len(mins)} tied)" if len(mins) > 1 else ""))
