@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.run import ENGINE, MT, NS, SP  # noqa: E402
+from bench.run import ENGINE, MC, MC_ENGINE, MT, NS, SP  # noqa: E402
 from bench.workloads import build_messages, make_trace  # noqa: E402
 from serve_app.config import RouterConfig  # noqa: E402
 from serve_app.follower import FleetFollower, WorkerRecord  # noqa: E402
@@ -43,7 +43,8 @@ from sim import tokenizer  # noqa: E402
 from sim.config import EngineConfig  # noqa: E402
 from sim.engine import Batch, Engine, KvReport, NullListener  # noqa: E402
 
-PARAMS = {"shared_prefix": SP, "multi_turn": MT, "no_sharing": NS}
+PARAMS = {"shared_prefix": SP, "multi_turn": MT, "no_sharing": NS, "mooncake": MC}
+ENGINES = {"mooncake": MC_ENGINE}
 
 
 @dataclass
@@ -179,7 +180,7 @@ def run(workload: str, rate: float, duration_s: float, policy: str, *, seed: int
         engine: dict[str, Any] | None = None) -> Result:
     """Drive one trace through `workers` simulated engines routed by `policy`."""
     k = knobs or Knobs()
-    eng = {**ENGINE, **(engine or {})}
+    eng = {**ENGINES.get(workload, ENGINE), **(engine or {})}
     cfg = EngineConfig(**{k: v for k, v in eng.items() if k != "time_scale"})
     now = 0.0
     events: list[tuple[float, int, str, Any]] = []
@@ -330,18 +331,21 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=5.0, help="sessions starting earlier are not measured")
     ap.add_argument("--policies", default="kv_aware,cache_aware,round_robin,least_loaded")
     ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--report-delay", type=float, default=Knobs.report_delay_s, metavar="S",
+                    help="engine report → router's view (the metrics plane's lag), simulated seconds")
     ap.add_argument("--kv", action="append", default=[], metavar="KNOB=VALUE",
                     help="a kv_aware knob for every kv_aware run, e.g. --kv tolerance=0.5")
     ns = ap.parse_args()
     kv = {a.split("=", 1)[0]: float(a.split("=", 1)[1]) for a in ns.kv}
     print(f"# routesim: {ns.workload}, {ns.duration:g} s window (warm-up {ns.warmup:g} s), "
-          f"engine {ENGINE}, kv_aware overrides {kv or 'none'}\n")
+          f"engine {ENGINES.get(ns.workload, ENGINE)}, kv_aware overrides {kv or 'none'}\n")
     print("| policy | rate | req/s | TTFT p50 ms | p99 ms | E2E p50 ms | hit % | spread |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for rate in [float(x) for x in ns.rates.split(",")]:
         for pol in ns.policies.split(","):
             t0 = time.perf_counter()
-            rows = [run(ns.workload, rate, ns.duration, pol, seed=s + 1, kv_aware=kv, warmup_s=ns.warmup).summary()
+            rows = [run(ns.workload, rate, ns.duration, pol, seed=s + 1, kv_aware=kv, warmup_s=ns.warmup,
+                        knobs=Knobs(report_delay_s=ns.report_delay)).summary()
                     for s in range(ns.seeds)]
             m = {key: statistics.mean(r[key] for r in rows) for key in rows[0]}
             print(f"| {pol} | {rate:g} | {m['req/s']:.1f} | {m['ttft_p50_ms']:.0f} | {m['ttft_p99_ms']:.0f} | "

@@ -54,6 +54,11 @@ ENGINE = {
 SP = {"groups": 8, "system_tokens": 4096, "question_tokens": 128, "output_tokens": 12}
 MT = {"turns": 3, "context_tokens": 3072, "user_tokens": 128, "output_tokens": 12, "think_s": 0.2}
 NS = {"prompt_tokens": 2048, "output_tokens": 12}
+# Mooncake replay: every length ×1/8 (512-token blocks → 64 tokens), and the engine's pool and slots
+# with it (the sim's H100 defaults of 400k tokens / 1024 requests, ÷ 8), so a worker caches as many
+# of the trace's prompts as a real one would
+MC = {"length_scale": 0.125}
+MC_ENGINE = {**ENGINE, "max_total_num_tokens": 50_000, "max_running_requests": 128}
 
 # the overhead phase of the quick suite: the floors, kvroute (two policies), each peer once
 OVERHEAD_TARGETS = ["direct", "serve-random", "kvroute-kv_aware", "kvroute-round_robin", "sglang-cache_aware",
@@ -77,6 +82,19 @@ SUITES: dict[str, dict[str, Any]] = {
         "ingest_args": ["--frames", "20000", "--rounds", "1", "--emitters", "8", "--seconds", "3"],
         "decision_args": ["--iters", "300", "--workers", "10,100"],
         "budget_s": 600,
+    },
+    "mooncake": {  # the real-trace replay alone (development; the standard suite runs it too)
+        "workers": 4,
+        "engine": MC_ENGINE,
+        "reps": 1,
+        "duration_s": 60.0,
+        "warmup_s": 5.0,
+        "drain_s": 60.0,
+        "workloads": {"mooncake": {"rates": [20], "params": MC}},
+        "overhead": {"concurrency": [1], "requests": {"1": 20}, "reps": 1, "max_tokens": 1,
+                     "targets": OVERHEAD_TARGETS},
+        "ingest_args": [], "decision_args": [],
+        "budget_s": 1800,
     },
     "full": {
         "workers": 4,
@@ -209,7 +227,8 @@ def seed_for(base: int, rep: int, w_idx: int, r_idx: int) -> int:
     return base * 10_000 + rep * 1000 + w_idx * 100 + r_idx
 
 
-async def run_trials(fleet: Any, targets: list[Target], suite: dict[str, Any], base_seed: int, progress) -> list[dict]:
+async def run_trials(fleet: Any, targets: list[Target], suite: dict[str, Any], base_seed: int, progress,
+                     dump: Path | None = None) -> list[dict]:
     import httpx
 
     trials: list[dict] = []
@@ -240,6 +259,9 @@ async def run_trials(fleet: Any, targets: list[Target], suite: dict[str, Any], b
                 results, wall = await run_trace(trace, target, drain_s=suite["drain_s"])
                 cpu = meter.stop()
                 after = await fleet.stats(admin)
+                if dump is not None:
+                    with open(dump / f"{workload}-{rate:g}-{target.name}-rep{rep}.jsonl", "w") as f:
+                        f.writelines(json.dumps(r.as_row()) + "\n" for r in results)
                 summary = report.summarize_trial(results, suite["warmup_s"], before, after)
                 summary["cpu"] = cpu
                 summary["foreign_cores"] = cpu["foreign_cores"]
@@ -321,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
                          "default-mode routers' affinity off (see bench/results/quick-kv-events.md)")
     ap.add_argument("--kv", action="append", default=[], metavar="KNOB=VALUE",
                     help="a kv_aware knob for every kvroute target (development only), e.g. --kv live_weight=0")
+    ap.add_argument("--dump", default=None, metavar="DIR",
+                    help="write every request's result (per trial) and every kvroute decision (router "
+                         "decision_log, one file per kvroute target) as JSON lines to DIR, for diagnosis")
     ap.add_argument("--no-sub", action="store_true", help="skip the ingest/decision subprocess benchmarks")
     ap.add_argument("--no-overhead", action="store_true", help="skip the overhead phase")
     ap.add_argument("-v", "--verbose", action="store_true")
@@ -385,9 +410,12 @@ def main(argv: list[str] | None = None) -> int:
     if knobs:
         suite["kv_aware"] = knobs
         overrides.append("kv=" + ",".join(ns.kv))
+    dump = Path(ns.dump).resolve() if ns.dump else None
+    if dump is not None:
+        dump.mkdir(parents=True, exist_ok=True)
     fleet = BenchFleet(suite["workers"], suite["engine"], verbose=ns.verbose, progress=progress,
                        targets_enabled=enabled, kv_events=suite["kv_events"],
-                       router_args={"kv_aware": knobs} if knobs else {})
+                       router_args={"kv_aware": knobs} if knobs else {}, decision_log_dir=dump)
     trials: list[dict] = []
     overhead: list[dict] = []
     try:
@@ -396,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         doc["startup_s"] = round(time.monotonic() - t0, 1)
         doc["targets"] = [{"name": t.name, "label": t.label, "notes": t.notes} for t in targets]
         progress(f"fleet and {len(targets)} targets up in {doc['startup_s']} s: {', '.join(t.name for t in targets)}")
-        trials = asyncio.run(run_trials(fleet, targets, suite, ns.seed, progress))
+        trials = asyncio.run(run_trials(fleet, targets, suite, ns.seed, progress, dump))
         if not ns.no_overhead:
             overhead = asyncio.run(run_overhead(targets, suite["overhead"], ns.seed, progress))
     finally:

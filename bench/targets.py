@@ -212,6 +212,7 @@ class BenchFleet:
     verbose: bool = False
     progress: Any = print
     targets_enabled: tuple[str, ...] | None = None  # None = all
+    decision_log_dir: Path | None = None  # every kvroute target logs its decisions there
     kv_events: bool = False  # engines publish KV events + the kv_aware exact-mode target (see run.py)
     router_args: dict[str, Any] = field(default_factory=dict)  # RouterConfig fields for every kvroute app
     tmpdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="kvroute-bench-"))
@@ -258,13 +259,18 @@ class BenchFleet:
         if not ray.is_initialized():
             apply_serve_env()  # the transport `kvroute serve` runs with (every Serve target here)
             self.progress("starting Ray (local) …")
-            ray.init(namespace="kvroute", include_dashboard=False, logging_level=logging.WARNING,
+            ray.init(address="local", namespace="kvroute", include_dashboard=False, logging_level=logging.WARNING,
                      log_to_driver=self.verbose)
             self._ray_started = True
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
         fleet = parse_fleet(self.fleet_dict(), "bench")
         self.serve_port = free_port()
-        self._runner = FleetRunner(fleet, RouterConfig(policy="kv_aware", **self.router_args), host="127.0.0.1",
+        def dlog(target: str) -> dict[str, str]:
+            d = self.decision_log_dir
+            return {"decision_log": str(d / f"decisions-{target}.jsonl")} if d is not None else {}
+
+        self._runner = FleetRunner(fleet, RouterConfig(policy="kv_aware", **self.router_args,
+                                                       **dlog("kvroute-kv_aware")), host="127.0.0.1",
                                    port=self.serve_port, address=None, progress=self.progress, verbose=self.verbose)
         base = self._runner.start()
         self.worker_urls = {w.name: w.url for w in fleet.expanded()}
@@ -289,15 +295,16 @@ class BenchFleet:
             else:
                 prefix = f"/{name}"
                 # as FleetRunner does: this process owns the worker actors, the replicas must not start them
-                args = {"fleet": fleet.model_dump(mode="json"), "router": {**self.router_args, "policy": policy},
-                        "manage_fleet": False}
+                args = {"fleet": fleet.model_dump(mode="json"),
+                        "router": {**self.router_args, "policy": policy, **dlog(name)}, "manage_fleet": False}
                 serve.run(build_app(args), name=name, route_prefix=prefix, blocking=False)
             targets.append(Target(name, (base + prefix,), label=f"kvroute {policy}"))
         name = "kvroute-kv_aware-exact"
         if self.kv_events and on(name):
             prefix = f"/{name}"
             args = {"fleet": fleet.model_dump(mode="json"),
-                    "router": {**self.router_args, "policy": "kv_aware", "tokenizer": "sim"}, "manage_fleet": False}
+                    "router": {**self.router_args, "policy": "kv_aware", "tokenizer": "sim", **dlog(name)},
+                    "manage_fleet": False}
             serve.run(build_app(args), name=name, route_prefix=prefix, blocking=False)
             targets.append(Target(name, (base + prefix,), label="kvroute kv_aware, exact prefix mode",
                                   notes="router config `tokenizer: sim`: prompts tokenized like the engine, overlap "

@@ -15,11 +15,16 @@ in every process; different seeds give disjoint texts (no accidental sharing acr
 - `multi_turn`: C conversations of T turns; every turn resends the whole history (a unique
   per-conversation context, every earlier user turn and every earlier assistant reply).
 - `no_sharing`: unique prompts, nothing reusable across requests (the control).
+- `mooncake`: a replay of Mooncake's FAST'25 conversation trace (real traffic from Kimi's service,
+  `shared/data/mooncake/`): arrivals, input and output lengths and the prefix-sharing structure
+  from the trace, with time compressed and lengths scaled to fit the fleet (see `mooncake`).
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import random
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -173,10 +178,117 @@ def no_sharing(seed: int, rate: float, duration_s: float, *, prompt_tokens: int 
                  {"prompt_tokens": prompt_tokens, "output_tokens": output_tokens})
 
 
+MOONCAKE_BLOCK = 512  # tokens per hash id in the trace
+
+
+def mooncake_path() -> str:
+    """Where the trace lives: $KVROUTE_MOONCAKE_TRACE, else `shared/data/mooncake/` beside the repo."""
+    env = os.environ.get("KVROUTE_MOONCAKE_TRACE")
+    if env:
+        return env
+    here = os.path.dirname(os.path.abspath(__file__))
+    return os.path.join(here, "..", "..", "shared", "data", "mooncake", "conversation_trace.jsonl")
+
+
+def load_mooncake(path: str | None = None) -> list[dict[str, Any]]:
+    """The trace's rows in file order (timestamp ms, input_length, output_length, hash_ids)."""
+    p = path or mooncake_path()
+    try:
+        with open(p, encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        raise FileNotFoundError(f"Mooncake trace not found at {p}; set KVROUTE_MOONCAKE_TRACE") from None
+    for i, r in enumerate(rows):
+        n_blocks = -(-r["input_length"] // MOONCAKE_BLOCK)
+        if len(r["hash_ids"]) != n_blocks:
+            raise ValueError(f"{p}:{i + 1}: {len(r['hash_ids'])} hash ids for {r['input_length']} tokens "
+                             f"(expected {n_blocks} blocks of {MOONCAKE_BLOCK})")
+    return rows
+
+
+class BlockText:
+    """Token-exact text for trace blocks: block `h` is always the same `block_tokens` pieces (each one
+    sim-tokenizer token), its first six pieces spell (h, seed) in 3-digit groups, so different ids
+    differ within their first three tokens and different seeds share nothing."""
+
+    def __init__(self, seed: int, block_tokens: int, vocab: list[str]) -> None:
+        if block_tokens < 6:
+            raise ValueError("block_tokens must be ≥ 6 (the block's id and seed take six tokens)")
+        if not 0 <= seed < 10**9:
+            raise ValueError("seed must be in 0..999999999 for trace blocks")
+        self.seed, self.block_tokens, self.vocab = seed, block_tokens, vocab
+        self._cache: dict[int, list[str]] = {}
+
+    def pieces(self, h: int) -> list[str]:
+        got = self._cache.get(h)
+        if got is None:
+            if not 0 <= h < 10**9:
+                raise ValueError(f"hash id {h} out of range 0..999999999")
+            digits = f"{h:09d}{self.seed:09d}"
+            rng = random.Random(f"mooncake/{self.seed}/{h}")
+            got = [digits[i:i + 3] for i in range(0, 18, 3)]
+            got += rng.choices(self.vocab, k=self.block_tokens - 6)
+            self._cache[h] = got
+        return got
+
+    def prompt(self, hash_ids: list[int], tokens: int) -> str:
+        """`tokens` tokens: the blocks of `hash_ids` in order, the last one cut to what remains."""
+        out: list[str] = []
+        for h in hash_ids:
+            out.extend(self.pieces(h)[: tokens - len(out)])
+        return " ".join(out)
+
+
+def mooncake(seed: int, rate: float, duration_s: float, *, length_scale: float = 0.125,
+             output_scale: float | None = None, start_s: float = 0.0, path: str | None = None,
+             min_output_tokens: int = 1) -> Trace:
+    """Replay of the Mooncake conversation trace, one single-turn session per row.
+
+    - Slice: the rows from `start_s` (trace seconds) on, as many as `rate` × `duration_s`.
+    - Time: compressed by one factor so the slice's mean rate is `rate` (the trace's own
+      inter-arrival pattern, bursts included, is kept).
+    - Lengths: every 512-token block becomes round(512·length_scale) tokens, input lengths are
+      scaled by the same factor (the last block holds what remains), outputs by `output_scale`
+      (default: `length_scale`, which keeps the trace's prefill:decode balance) with at least
+      `min_output_tokens`. Equal hash ids give identical token blocks, different ids differ at
+      their first token: who shares which prefix with whom is the trace's.
+    - `seed` only changes the text (disjoint across seeds), never arrivals or lengths.
+    """
+    if not 0 < length_scale <= 1:
+        raise ValueError("length_scale must be in (0, 1]")
+    oscale = length_scale if output_scale is None else output_scale
+    if oscale <= 0:
+        raise ValueError("output_scale must be > 0")
+    rows = load_mooncake(path)
+    first = next((i for i, r in enumerate(rows) if r["timestamp"] >= start_s * 1000), None)
+    n = _count(rate, duration_s)
+    if first is None or first + n > len(rows):
+        raise ValueError(f"the trace has {len(rows) - (first or len(rows))} rows from {start_s:g} s, "
+                         f"{n} needed for {rate:g} req/s × {duration_s:g} s")
+    sl = rows[first:first + n]
+    t0 = sl[0]["timestamp"] / 1000
+    span = max(1e-9, sl[-1]["timestamp"] / 1000 - t0)
+    compress = span / (duration_s * (n - 1) / n) if n > 1 else 1.0
+    block_tokens = max(6, round(MOONCAKE_BLOCK * length_scale))
+    text = BlockText(seed, block_tokens, _Text(random.Random(f"mooncake-vocab/{seed}")).words)
+    sessions = []
+    for i, r in enumerate(sl):
+        tokens = max(1, math.ceil(r["input_length"] * block_tokens / MOONCAKE_BLOCK))
+        tokens = min(tokens, block_tokens * len(r["hash_ids"]))
+        out = max(min_output_tokens, round(r["output_length"] * oscale))
+        sessions.append(Session(f"mc{seed}-{first + i}", (r["timestamp"] / 1000 - t0) / compress, None,
+                                (Turn(text.prompt(r["hash_ids"], tokens), out),)))
+    return Trace("mooncake", seed, rate, duration_s, tuple(sessions),
+                 {"rows": f"{first}..{first + n - 1}", "trace_start_s": round(t0, 3),
+                  "time_compression": round(compress, 3), "length_scale": length_scale,
+                  "block_tokens": block_tokens, "output_scale": oscale})
+
+
 WORKLOADS: dict[str, Callable[..., Trace]] = {
     "shared_prefix": shared_prefix,
     "multi_turn": multi_turn,
     "no_sharing": no_sharing,
+    "mooncake": mooncake,
 }
 
 

@@ -37,6 +37,10 @@ class RouterConfig(BaseModel):
         "later chunks that arrive within this long go out together; the end is never held. "
         "0 = one piece per upstream read",
     )
+    decision_log: str | None = Field(
+        None, description="append one JSON line per decision to this file (time, chosen worker, reason, "
+        "overlap and every candidate's view with its metrics age) — for diagnosing routing on real traffic",
+    )
     max_attempts: int = Field(3, ge=1, description="tries on different workers before the first byte")
     breaker_failures: int = Field(3, ge=1, description="consecutive upstream failures that open a worker's breaker")
     breaker_open_s: float = Field(5.0, gt=0, description="seconds a worker is skipped before one probe")

@@ -5,6 +5,7 @@ No Serve and no HTTP here; `serve_app.app` is the thin HTTP shell around `Router
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from dataclasses import replace
@@ -20,6 +21,12 @@ from serve_app.kv_follower import KvFollower
 from serve_app.prefix_index import KvEventIndex, PrefixIndex
 from serve_app.prompt_tokens import body_token_ids, load_tokenizer
 from serve_app.request_facts import FactsConfig, facts_from_body
+
+
+# the columns of each candidate in a decision-log line (`RouterConfig.decision_log`)
+DECISION_LOG_COLUMNS = ("state", "running", "waiting", "kv_active_blocks", "pending", "pending_prefill_blocks",
+                        "pending_kv_blocks", "remote_pending", "in_flight", "hot_blocks", "reused_blocks",
+                        "overlap", "metrics_age_s")
 
 
 def base_view(rec: WorkerRecord, hot_blocks: int = 0, reused_blocks: int = 0) -> WorkerView:
@@ -74,6 +81,8 @@ class RouterCore:
         self.fleet = FleetView()
         self._remote: dict[str, dict[str, int]] = {}  # other replica → {worker: pending}
         follower.on_update = self._on_fleet_update
+        self._clock = clock
+        self._dlog = open(config.decision_log, "a", buffering=1 << 16) if config.decision_log else None  # noqa: SIM115
 
     # --- fleet view ---------------------------------------------------------------------------
 
@@ -167,7 +176,23 @@ class RouterCore:
             request = request.with_overlap(overlap)
         fleet = self.views()
         workers = fleet if not exclude else [v for v in fleet if v.name not in exclude]
-        return policy.choose(request, workers, self.rng), request
+        decision = policy.choose(request, workers, self.rng)
+        if self._dlog is not None:
+            self._log_decision(request, decision, workers)
+        return decision, request
+
+    def _log_decision(self, request: RouteRequest, decision: Decision, workers: Any) -> None:
+        now = self._clock()
+        recs = self.follower.workers
+        cand = {}
+        for v in workers:
+            rec = recs.get(v.name)
+            age = None if rec is None or rec.metrics_at is None else round(now - rec.metrics_at, 4)
+            cand[v.name] = [v.state, v.running, v.waiting, v.kv_active_blocks, v.pending,
+                            v.pending_prefill_blocks, v.pending_kv_blocks, v.remote_pending, v.in_flight,
+                            v.hot_blocks, v.reused_blocks, request.overlap.get(v.name, 0), age]
+        self._dlog.write(json.dumps({"t": round(now, 4), "worker": decision.worker, "reason": decision.reason,
+                                     "prompt_blocks": request.prompt_blocks, "w": cand}) + "\n")
 
     def on_routed(self, request_id: str, request: RouteRequest, worker: str) -> None:
         """The request is being sent to `worker`: count it in flight and index its prompt there

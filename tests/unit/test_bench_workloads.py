@@ -96,3 +96,97 @@ def test_build_messages_needs_the_earlier_replies():
     with pytest.raises(ValueError):
         build_messages(s, 1, [])
     assert build_messages(s, 0, []) == [{"role": "user", "content": "a"}]
+
+
+# ---------------------------------------------------------------------------- the Mooncake replay
+
+def _write_trace(path, rows):
+    import json
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+_ROWS = [  # (ms, input tokens, output tokens, hash ids) shaped like the trace's rows
+    {"timestamp": 0, "input_length": 1100, "output_length": 80, "hash_ids": [0, 1, 2]},
+    {"timestamp": 500, "input_length": 1300, "output_length": 16, "hash_ids": [0, 1, 3]},
+    {"timestamp": 700, "input_length": 700, "output_length": 400, "hash_ids": [0, 4]},
+    {"timestamp": 2000, "input_length": 1536, "output_length": 1, "hash_ids": [0, 1, 2]},
+    {"timestamp": 4000, "input_length": 300, "output_length": 30, "hash_ids": [5]},
+]
+
+
+def _common_prefix(a, b):
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def test_mooncake_equal_hash_prefixes_iff_equal_token_prefixes(tmp_path):
+    from bench.workloads import mooncake
+
+    path = _write_trace(tmp_path / "t.jsonl", _ROWS)
+    tr = mooncake(3, rate=2.5, duration_s=2.0, length_scale=1 / 16, path=path)
+    assert tr.num_requests == 5 and tr.params["block_tokens"] == 32
+    toks = [tokenizer.encode(s.turns[0].user) for s in tr.sessions]
+    # lengths: input scaled by 1/16 (ceil), outputs by the same factor, at least one token
+    assert [len(t) for t in toks] == [69, 82, 44, 96, 19]
+    assert [s.turns[0].max_tokens for s in tr.sessions] == [5, 1, 25, 1, 2]
+    for i, ri in enumerate(_ROWS):
+        for j, rj in enumerate(_ROWS):
+            shared = _common_prefix(ri["hash_ids"], rj["hash_ids"])
+            common = _common_prefix(toks[i], toks[j])
+            full = min(len(toks[i]), len(toks[j]))
+            if shared == min(len(ri["hash_ids"]), len(rj["hash_ids"])):
+                assert common == full  # one is a prefix of the other, block for block
+            else:  # equal through the shared blocks, different within the first tokens of the next
+                assert shared * 32 <= common < shared * 32 + 3
+
+
+def test_mooncake_time_compression_keeps_the_arrival_pattern(tmp_path):
+    from bench.workloads import mooncake
+
+    path = _write_trace(tmp_path / "t.jsonl", _ROWS)
+    tr = mooncake(1, rate=2.5, duration_s=2.0, path=path)  # 5 requests over 2 s: 4 s of trace → 1.6 s
+    starts = [s.start_s for s in tr.sessions]
+    assert tr.params["time_compression"] == pytest.approx(2.5)
+    assert starts == pytest.approx([0.0, 0.2, 0.28, 0.8, 1.6])
+
+
+def test_mooncake_seeds_share_nothing_and_slices_are_checked(tmp_path):
+    from bench.workloads import mooncake
+
+    path = _write_trace(tmp_path / "t.jsonl", _ROWS)
+    a = mooncake(1, rate=2.5, duration_s=2.0, path=path)
+    b = mooncake(2, rate=2.5, duration_s=2.0, path=path)
+    ta = tokenizer.encode(a.sessions[0].turns[0].user)
+    tb = tokenizer.encode(b.sessions[0].turns[0].user)
+    assert _common_prefix(ta, tb) < 6
+    with pytest.raises(ValueError, match="rows from"):
+        mooncake(1, rate=10.0, duration_s=2.0, path=path)  # 20 rows wanted, 5 there
+    bad = _write_trace(tmp_path / "bad.jsonl", [{**_ROWS[0], "hash_ids": [0]}])
+    with pytest.raises(ValueError, match="hash ids for 1100 tokens"):
+        mooncake(1, rate=1.0, duration_s=1.0, path=bad)
+
+
+def test_mooncake_real_trace_keeps_its_sharing():
+    """On the shipped trace: the slice's shared-prefix structure survives the synthesis."""
+    import os
+
+    from bench.workloads import load_mooncake, mooncake, mooncake_path
+
+    if not os.path.exists(mooncake_path()):
+        pytest.fail(f"the Mooncake trace is missing at {mooncake_path()}")
+    rows = load_mooncake()[:200]
+    tr = mooncake(1, rate=20.0, duration_s=10.0)
+    toks = [tokenizer.encode(s.turns[0].user) for s in tr.sessions]
+    bt = tr.params["block_tokens"]
+    for i in range(0, 200, 7):
+        for j in range(i + 1, 200, 13):
+            shared = _common_prefix(rows[i]["hash_ids"], rows[j]["hash_ids"])
+            common = _common_prefix(toks[i], toks[j])
+            if shared < min(len(rows[i]["hash_ids"]), len(rows[j]["hash_ids"])):
+                assert shared * bt <= common < shared * bt + 3
