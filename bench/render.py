@@ -146,6 +146,59 @@ def render(doc: dict[str, Any], out_dir: Path, stem: str) -> dict[str, Any]:
     return doc
 
 
+def _cpu_per_request(doc: dict[str, Any], targets: list[str]) -> list[str]:
+    """Per workload × rate: each target's CPU per completed request, by process family (bench.cpu)."""
+    cells: dict[tuple[str, float], dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for t in doc.get("trials", []):
+        if (t["summary"].get("cpu") or {}).get("families_cpu_s") is not None:
+            cells[(t["workload"], t["rate"])][t["target"]].append(t)
+    if not cells:
+        return []
+    L = ["## CPU per request, by process family\n",
+         "CPU milliseconds per completed request during each trial (process CPU time ÷ requests; families in "
+         "`bench/cpu.py`). *Router side*: for kvroute its router replica, the Serve ingress (HAProxy + its "
+         "manager + Serve's proxy actor), the Serve controller, kvroute's metrics plane (aggregator + worker "
+         "actors) and Ray's own processes; for sglang-router its one process. The load generator is the "
+         "benchmark's own process; its share of the machine is shown so that it is never what saturates it.\n"]
+    for (w, rate) in sorted(cells):
+        rows = []
+        for tname in targets:
+            ts = cells[(w, rate)].get(tname)
+            if not ts:
+                continue
+
+            def per_req(key: str, fams: tuple[str, ...] = ()) -> str:
+                vals = []
+                for t in ts:
+                    f = t["summary"]["cpu"]["families_cpu_s"]
+                    ok = max(1, t["summary"]["ok"])
+                    if key:
+                        v = t["summary"].get(key)
+                        if v is None:
+                            return "–"
+                        vals.append(v)
+                    else:
+                        vals.append(sum(v for k, v in f.items() if k in fams) / ok * 1e3)
+                return f"{statistics.fmean(vals):.2f}"
+
+            app = "kvroute" if tname == "kvroute-kv_aware" else tname
+            lg = [t["summary"]["cpu"]["families_cpu_s"].get("load generator", 0.0) / t["summary"]["cpu"]["seconds"]
+                  for t in ts]
+            busy = [t["summary"]["cpu"]["busy_cores"] for t in ts]
+            rows.append([tname, per_req("router_cpu_ms_per_req"), per_req("", (f"replica:{app}",)),
+                         per_req("", ("ingress",)), per_req("", ("serve controller",)),
+                         per_req("", ("metrics plane",)), per_req("", ("ray system",)),
+                         per_req("", ("peer router",)), per_req("engines_cpu_ms_per_req"),
+                         per_req("loadgen_cpu_ms_per_req"), f"{statistics.fmean(lg):.2f}",
+                         f"{statistics.fmean(busy):.2f}"])
+        L.append(f"{w} @ {rate:g} req/s:\n")
+        L.append(_md_table(["target", "router side", "its replica", "ingress", "controller", "metrics plane",
+                            "Ray", "peer router", "engines", "load gen", "load gen cores", "machine busy cores"],
+                           rows))
+        L.append("")
+    return L
+
+
 def _markdown(doc, agg, rates, targets, oh, goals, plots) -> str:
     cfg = doc["config"]
     m = doc["machine"]
@@ -361,6 +414,8 @@ def _markdown(doc, agg, rates, targets, oh, goals, plots) -> str:
                 rows.append([t, f"{statistics.fmean(b):.2f}", f"{max(b):.2f}", f"{statistics.fmean(f):.2f}", f"{max(f):.2f}"])
         L.append(_md_table(["target", "this run, mean cores", "max", "other jobs, mean cores", "max"], rows))
         L.append("")
+
+    L.extend(_cpu_per_request(doc, targets))
 
     # kvroute diagnostics
     kv_trials = [t for t in doc.get("trials", []) if t["summary"].get("stale_view_before_poke") is not None]

@@ -35,6 +35,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import machine, report  # noqa: E402
+from bench.cpu import CpuMeter, router_side_cpu_s  # noqa: E402
 from bench.loadgen import Target, chat_body, run_closed, run_trace  # noqa: E402
 from bench.workloads import make_trace, trace_digest  # noqa: E402
 
@@ -161,50 +162,6 @@ def loadavg() -> list[float]:
         return []
 
 
-class CpuMeter:
-    """CPU used during an interval by this run (this process and every descendant: Ray, the
-    routers, the simulated workers) and by everything else on the machine (other jobs)."""
-
-    def __init__(self) -> None:
-        import psutil
-
-        self._psutil = psutil
-        self._root = psutil.Process()
-        self._t0 = self._busy0 = self._mine0 = 0.0
-        self._seen: dict[int, float] = {}
-
-    @staticmethod
-    def _busy() -> float:
-        try:
-            f = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        except OSError:
-            return 0.0
-        return (sum(f[:8]) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
-
-    def _mine(self) -> float:
-        total = 0.0
-        procs = [self._root]
-        try:
-            procs += self._root.children(recursive=True)
-        except self._psutil.Error:
-            pass
-        for p in procs:
-            try:
-                t = p.cpu_times()
-                total += t.user + t.system
-            except self._psutil.Error:
-                pass
-        return total
-
-    def start(self) -> None:
-        self._t0, self._busy0, self._mine0 = time.monotonic(), self._busy(), self._mine()
-
-    def stop(self) -> dict[str, float]:
-        dt = max(time.monotonic() - self._t0, 1e-9)
-        busy, mine = self._busy() - self._busy0, self._mine() - self._mine0
-        return {"busy_cores": busy / dt, "bench_cores": mine / dt, "foreign_cores": max(0.0, busy - mine) / dt}
-
-
 def run_sub(argv: list[str], timeout_s: float) -> dict[str, Any]:
     """An earlier benchmark script as a subprocess; its Markdown output goes into the report."""
     t0 = time.monotonic()
@@ -225,6 +182,21 @@ def run_sub(argv: list[str], timeout_s: float) -> dict[str, Any]:
 
 def seed_for(base: int, rep: int, w_idx: int, r_idx: int) -> int:
     return base * 10_000 + rep * 1000 + w_idx * 100 + r_idx
+
+
+def target_app(name: str) -> str | None:
+    """The Serve application that routes for a bench target (its replica's process family)."""
+    if name == "kvroute-kv_aware":
+        return "kvroute"  # FleetRunner's own app
+    if name.startswith(("kvroute-", "serve-", "ray-")):
+        return name
+    return None
+
+
+async def _poll(meter: CpuMeter, every_s: float = 5.0) -> None:
+    while True:
+        await asyncio.sleep(every_s)
+        meter.poll()
 
 
 async def run_trials(fleet: Any, targets: list[Target], suite: dict[str, Any], base_seed: int, progress,
@@ -256,7 +228,11 @@ async def run_trials(fleet: Any, targets: list[Target], suite: dict[str, Any], b
                 await asyncio.sleep(suite.get("settle_s", 0.1))  # the fresh reports reach the routers
                 before = await fleet.stats(admin)
                 meter.start()
-                results, wall = await run_trace(trace, target, drain_s=suite["drain_s"])
+                poller = asyncio.create_task(_poll(meter))
+                try:
+                    results, wall = await run_trace(trace, target, drain_s=suite["drain_s"])
+                finally:
+                    poller.cancel()
                 cpu = meter.stop()
                 after = await fleet.stats(admin)
                 if dump is not None:
@@ -264,6 +240,12 @@ async def run_trials(fleet: Any, targets: list[Target], suite: dict[str, Any], b
                         f.writelines(json.dumps(r.as_row()) + "\n" for r in results)
                 summary = report.summarize_trial(results, suite["warmup_s"], before, after)
                 summary["cpu"] = cpu
+                ok = max(1, summary["ok"])
+                fam = cpu["families_cpu_s"]
+                side = router_side_cpu_s(fam, target.name, target_app(target.name))
+                summary["router_cpu_ms_per_req"] = None if side is None else round(side / ok * 1e3, 3)
+                summary["loadgen_cpu_ms_per_req"] = round(fam.get("load generator", 0.0) / ok * 1e3, 3)
+                summary["engines_cpu_ms_per_req"] = round(fam.get("engines", 0.0) / ok * 1e3, 3)
                 summary["foreign_cores"] = cpu["foreign_cores"]
                 summary["bench_cores"] = cpu["bench_cores"]
                 kv_workers = await fleet.kvroute_workers(admin, target)

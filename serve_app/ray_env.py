@@ -55,7 +55,14 @@ SERVE_ENV: dict[str, str] = {
 # Per local Ray only (where not set): a replica behind HAProxy stays open this long after it is told
 # to stop, so HAProxy can deregister it (Ray's default, 30 s, is for load balancers on other nodes;
 # on one node HAProxy is reconfigured within ~0.1 s, and Ctrl-C should not wait half a minute).
-LOCAL_ENV: dict[str, str] = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
+LOCAL_ENV: dict[str, str] = {
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
+    # Ray starts its worker processes at nice 15 (`worker_niceness`): the router replica, HAProxy,
+    # the metrics plane and the engines they launch would all lose the CPU to any nice-0 process on
+    # the machine (a load generator, a peer router, a user's shell) — a latency-critical router
+    # must not run at background priority
+    "RAY_worker_niceness": "0",
+}
 # Per local Ray, not cluster-wide: HAProxy's stats and Prometheus ports (free ones, see above).
 LOCAL_PORT_ENV = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
 _PORTS_PICKED = "KVROUTE_HAPROXY_PORTS_PICKED"  # marks ports kvroute chose (a child Ray picks its own)
