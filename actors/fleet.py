@@ -9,6 +9,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from actors.kv_handshake import HandshakeError, plan_subscription
 from actors.models import Settings
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -52,7 +53,16 @@ class WorkerSpec(BaseModel):
     engine: Literal["sim", "sglang"] | None = None
     model: str | None = None
     engine_args: dict[str, Any] = Field(default_factory=dict)
-    kv_events_endpoint: str | None = None
+    kv_events_endpoint: str | None = Field(
+        None, description="the endpoint of SGLang's --kv-events-config, as given there (auto: managed mode picks "
+        "a loopback/node port that the worker actor binds); who binds follows SGLang's own rule (actors.kv_handshake)",
+    )
+    kv_events_bind: bool | None = Field(
+        None, description="SGLang's \"bind\" key of --kv-events-config (honoured by SGLang >= 0.5.22 only)"
+    )
+    kv_events_replay_endpoint: str | None = Field(
+        None, description="SGLang's replay_endpoint (a ROUTER SGLang binds); kvroute asks it for lost batches"
+    )
     replicas: int = Field(1, ge=1, le=1024, description="expand into name-0 … name-(n-1)")
     num_gpus: float = Field(0, ge=0)
     num_cpus: float = Field(0, ge=0)
@@ -76,14 +86,15 @@ class WorkerSpec(BaseModel):
             raise ValueError("must be an http(s) base URL such as http://127.0.0.1:30001")
         return v.rstrip("/") if v else v
 
-    @field_validator("metrics_endpoint", "kv_events_endpoint")
+    @field_validator("metrics_endpoint", "kv_events_endpoint", "kv_events_replay_endpoint")
     @classmethod
     def _endpoint_ok(cls, v: str | None, info: Any) -> str | None:
         if v == "auto" and info.field_name == "kv_events_endpoint":
             return v  # managed mode: a free loopback/node port chosen at launch
         if v is not None and not _ENDPOINT.match(v):
             raise ValueError("must be ipc://PATH or tcp://HOST:PORT")
-        if v is not None and v.startswith("tcp://") and _is_wildcard(v[len("tcp://"):].rsplit(":", 1)[0]):
+        if (info.field_name == "metrics_endpoint" and v is not None and v.startswith("tcp://")
+                and _is_wildcard(v[len("tcp://"):].rsplit(":", 1)[0])):
             raise ValueError("bind a specific address, not a wildcard (metrics frames are trusted input)")
         return v
 
@@ -101,7 +112,22 @@ class WorkerSpec(BaseModel):
             raise ValueError("kv_events_endpoint: auto needs managed mode (engine: sim|sglang)")
         if self.engine == "sglang" and not self.model:
             raise ValueError("engine: sglang needs model (a model path or name)")
+        if self.kv_events_endpoint not in (None, "auto"):
+            try:  # who binds is decided here, exactly as SGLang decides it; refused forms say why
+                plan_subscription(self.kv_events_endpoint, bind=self.kv_events_bind,
+                                  replay_endpoint=self.kv_events_replay_endpoint, ranks=self.kv_event_ranks)
+            except HandshakeError as exc:
+                raise ValueError(f"kv_events_endpoint: {exc}") from None
+        elif self.kv_events_bind is not None or self.kv_events_replay_endpoint is not None:
+            if self.kv_events_endpoint is None:
+                raise ValueError("kv_events_bind / kv_events_replay_endpoint need kv_events_endpoint")
         return self
+
+    @property
+    def kv_event_ranks(self) -> int:
+        """KV-event publishers of this engine: one per DP rank, on port base + rank (SGLang 0.5.23 counts
+        attention-DP ranks, or DP replicas without DP-attention; older releases only attention-DP ranks)."""
+        return max(1, int(self.engine_args.get("dp_size", 1) or 1))
 
     @property
     def managed(self) -> bool:

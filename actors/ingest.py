@@ -87,3 +87,7 @@ class MetricsBook:
 
     def latest(self) -> dict[int, KvMetrics]:
         return {rank: entry[0] for rank, entry in self._latest.items()}
+
+    def latest_with_times(self) -> dict[int, tuple[KvMetrics, float]]:
+        """Every rank's latest report and when it arrived (`clock` time)."""
+        return {rank: (entry[0], entry[1]) for rank, entry in self._latest.items()}

@@ -133,6 +133,23 @@ def is_replay_end(frames: Sequence[bytes]) -> bool:
     return len(frames) == 3 and bytes(frames[1]) == REPLAY_END_SEQ.to_bytes(8, "big")
 
 
+def replay_reply(frames: Sequence[bytes], topic: bytes = b"") -> list[bytes] | None:
+    """One reply of a replay ROUTER, as a DEALER receives it, → `[topic, seq, payload]` for
+    `decode_kv_event_frame`, or None for the end marker. Both release forms are accepted:
+    `[b"", seq, payload]` / end `[b"", -1, b""]` up to 0.5.21, and `[b"", topic, seq, payload]` /
+    end `[b"", b"", -1, b""]` from 0.5.22 (`topic`: what to report for the older form).
+    Raises `KvEventError` for anything else."""
+    parts = [bytes(f) for f in frames]
+    if parts and parts[0] == b"":
+        parts = parts[1:]  # the DEALER/REQ delimiter
+    end = REPLAY_END_SEQ.to_bytes(8, "big")
+    if len(parts) == 2:
+        return None if parts[0] == end else [topic, parts[0], parts[1]]
+    if len(parts) == 3:
+        return None if parts[1] == end else parts
+    raise KvEventError("bad_replay", f"replay reply of {len(parts)} frames, expected 2 or 3")
+
+
 # field order of the tagged-array encoding (after the tag), as the released Structs declare them
 _ARRAY_FIELDS = {
     "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"),

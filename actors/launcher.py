@@ -72,8 +72,8 @@ def build_command(spec: WorkerSpec, *, host: str, port: int, metrics_endpoint: s
         ]
         if spec.model:
             cmd += ["--model-name", spec.model]
-        if spec.kv_events_endpoint:
-            cmd += ["--kv-events-endpoint", spec.kv_events_endpoint]
+        if spec.kv_events_endpoint:  # the same config SGLang gets; the sim binds or connects as its --wire release
+            cmd += ["--kv-events-config", json.dumps(kv_events_config(spec, host))]
         return cmd + _flags(spec.engine_args), {}
     if spec.engine == "sglang":
         cmd = [
@@ -81,11 +81,27 @@ def build_command(spec: WorkerSpec, *, host: str, port: int, metrics_endpoint: s
             "--host", host, "--port", str(port), "--page-size", str(spec.page_size), "--enable-metrics",
         ]
         # KvMetrics are only sent with --kv-events-config set (SGLang ≥ 0.5.3), even if we do not subscribe
-        kv_cfg = {"publisher": "zmq", "topic": "kv-events",
-                  "endpoint": spec.kv_events_endpoint or f"tcp://{host}:{free_port(host)}"}
-        cmd += ["--kv-events-config", json.dumps(kv_cfg)]
+        cmd += ["--kv-events-config", json.dumps(kv_events_config(spec, host))]
         return cmd + _flags(spec.engine_args), {SGLANG_METRICS_ENV: metrics_endpoint}
     raise LaunchError(f"worker {spec.name}: no engine to launch (attach mode)")
+
+
+def kv_events_config(spec: WorkerSpec, host: str) -> dict[str, Any]:
+    """The `--kv-events-config` of a managed engine. With `kv_events_endpoint: auto` the worker actor
+    has already BOUND its SUB on a concrete `tcp://HOST:PORT` (and put it in the spec): a concrete
+    address makes every SGLang release (0.4.9 … 0.5.23) CONNECT its PUB there — no `bind` key, which
+    releases before 0.5.22 ignore, and no wildcard. An explicit endpoint is passed as given."""
+    endpoint = spec.kv_events_endpoint
+    if endpoint in (None, "auto"):
+        # no subscriber (or not placed yet): SGLang still needs the config to send KvMetrics; its
+        # PUB connects to a free port nobody listens on and its batches are dropped, as intended
+        endpoint = f"tcp://{host}:{free_port(host)}"
+    cfg: dict[str, Any] = {"publisher": "zmq", "topic": "kv-events", "endpoint": endpoint}
+    if spec.kv_events_bind is not None:
+        cfg["bind"] = spec.kv_events_bind
+    if spec.kv_events_replay_endpoint:
+        cfg["replay_endpoint"] = spec.kv_events_replay_endpoint
+    return cfg
 
 
 @dataclass(slots=True)

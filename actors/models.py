@@ -68,6 +68,10 @@ class Settings(BaseModel):
     )
     max_frame_bytes: int = Field(64 * 1024, gt=0, description="larger frames are refused unparsed")
     max_pending_pushes: int = Field(2, ge=1, description="unanswered pushes before coalescing")
+    kv_events_silence_s: float = Field(
+        5.0, gt=0, description="KvMetrics show held KV pages this long with no KV-event batch → 'silent'"
+    )
+    kv_events_replay_timeout_s: float = Field(2.0, gt=0, description="wait for a replay ROUTER's answer")
     # aggregator
     idle_after_s: float = Field(3.0, gt=0, description="silence after which a healthy worker is idle")
     down_after_s: float = Field(2.0, gt=0, description="heartbeat age after which a worker is down")

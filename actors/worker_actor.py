@@ -22,7 +22,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from actors.aggregator import get_or_create_aggregator
 from actors.fleet import WorkerSpec
 from actors.ingest import MetricsBook
-from actors.kv_events import KvEventError, SeqTracker, decode_kv_event_frame, is_replay_end
+from actors.kv_events import KvEventError, SeqTracker, decode_kv_event_frame, is_replay_end, replay_reply
+from actors.kv_handshake import KvEventsPlan, SilenceWatch, plan_subscription, rank_endpoint, shows_prefill
 from actors.kv_log import KvLog
 from actors.launcher import LaunchError, ManagedProcess
 from actors.models import Settings
@@ -94,11 +95,6 @@ class WorkerActor:
 
     def __init__(self, spec: dict[str, Any], settings: dict[str, Any] | None = None) -> None:
         self.spec = WorkerSpec.model_validate(spec)
-        if self.spec.kv_events_endpoint == "auto":  # managed engine: its PUB binds a port we pick
-            from actors.launcher import free_port
-
-            host = _listen_host(self.spec.host)
-            self.spec = self.spec.model_copy(update={"kv_events_endpoint": f"tcp://{host}:{free_port(host)}"})
         self.settings = Settings.model_validate(settings or {})
         self.name = self.spec.name
         self.incarnation = uuid.uuid4().hex[:12]
@@ -122,6 +118,17 @@ class WorkerActor:
         self.last_push_latency_ms: float | None = None
         self._ctx = zmq.asyncio.Context()
         self._sock = bind_pull(self._ctx, self.name, self.endpoint, self.settings.max_frame_bytes)
+        self.kv_log: KvLog | None = None
+        self._kv_changed = asyncio.Event()
+        self._kv_refused: dict[str, int] = {}
+        self._kv_trackers: dict[int, SeqTracker] = {}
+        self._kv_plans: list[KvEventsPlan] = []
+        self._kv_batches = 0
+        self._kv_replayed = 0
+        self._kv_watch = SilenceWatch(self.settings.kv_events_silence_s)
+        self._kv_warned = False
+        if self.spec.kv_events_endpoint:
+            self._open_kv_subscription()  # before the engine starts: managed engines connect to us
         # one pooled client: SGLang's server keeps the connection alive, so a probe is one request
         self._http = httpx.AsyncClient(timeout=self.settings.health_timeout_s)
         loop = asyncio.get_running_loop()
@@ -134,17 +141,6 @@ class WorkerActor:
                                        on_change=self._on_process_change)
             self.url = self.proc.url
             self._launch = loop.create_task(self._start_process())
-        self.kv_log: KvLog | None = None
-        self._kv_changed = asyncio.Event()
-        self._kv_refused: dict[str, int] = {}
-        self._kv_trackers: dict[int, SeqTracker] = {}
-        if self.spec.kv_events_endpoint:
-            self.kv_log = KvLog()
-            self._kv_sock = self._ctx.socket(zmq.SUB)
-            self._kv_sock.setsockopt(zmq.LINGER, 0)
-            self._kv_sock.setsockopt(zmq.MAXMSGSIZE, 16 * 1024 * 1024)
-            self._kv_sock.setsockopt(zmq.SUBSCRIBE, b"")
-            self._kv_sock.connect(self.spec.kv_events_endpoint)  # SGLang's publisher binds
         self._tasks = [
             loop.create_task(self._recv_loop()),
             loop.create_task(self._push_loop()),
@@ -153,6 +149,76 @@ class WorkerActor:
         if self.kv_log is not None:
             self._tasks.append(loop.create_task(self._kv_loop()))
         logger.info("worker %s: PULL bound on %s, probing %s/health", self.name, self.endpoint, self.url)
+
+    def _open_kv_subscription(self) -> None:
+        """Meet SGLang's KV-event publisher: bind the SUB where SGLang connects (a concrete tcp
+        address, never a wildcard), connect where SGLang binds — SGLang's own rule (kv_handshake)."""
+        self.kv_log = KvLog()
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, 16 * 1024 * 1024)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._kv_sock = sock
+        ranks = self.spec.kv_event_ranks
+        try:
+            if self.spec.kv_events_endpoint == "auto":  # managed: we bind a port, the engine connects to it
+                host = _listen_host(self.spec.host)
+                base = sock.bind_to_random_port(f"tcp://{host}")
+                for r in range(1, ranks):  # rank r publishes on base + r
+                    sock.bind(f"tcp://{host}:{base + r}")
+                endpoint = f"tcp://{host}:{base}"
+                self.spec = self.spec.model_copy(update={"kv_events_endpoint": endpoint, "kv_events_bind": None})
+                self._kv_plans = [KvEventsPlan(r, "bind", rank_endpoint(endpoint, r)) for r in range(ranks)]
+            else:
+                peer = self.spec.url.split("//", 1)[1].rsplit(":", 1)[0].strip("[]") if self.spec.url else None
+                self._kv_plans = plan_subscription(
+                    self.spec.kv_events_endpoint, bind=self.spec.kv_events_bind,
+                    replay_endpoint=self.spec.kv_events_replay_endpoint, ranks=ranks, peer_host=peer)
+                for plan in self._kv_plans:
+                    (sock.bind if plan.side == "bind" else sock.connect)(plan.address)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise EndpointError(f"worker {self.name}: cannot subscribe to KV events on "
+                                f"{self.spec.kv_events_endpoint}: {exc}") from None
+        self._kv_opened_at = time.monotonic()
+        for plan in self._kv_plans:
+            logger.info("worker %s: KV events %s", self.name, plan.describe())
+
+    def _kv_info(self) -> dict[str, Any]:
+        """What /workers shows about the KV-event subscription (slow-changing fields only)."""
+        info: dict[str, Any] = {
+            "status": self._kv_watch.state,
+            "handshake": [{"rank": p.rank, "kvroute": p.side, "address": p.address} for p in self._kv_plans],
+            "batches": self._kv_batches,
+        }
+        if self._kv_watch.state == "silent":
+            info["detail"] = self._silence_detail()
+        return info
+
+    def _silence_detail(self) -> str:
+        sides = {p.side for p in self._kv_plans}
+        if sides == {"bind"}:
+            cause = ("kvroute binds, so SGLang must CONNECT: its --kv-events-config endpoint must be this concrete "
+                     "address with no \"bind\": true, and not a wildcard / ipc:// form (those make SGLang bind)")
+        else:
+            cause = ("kvroute connects, so SGLang must BIND: give it tcp://*:PORT, ipc://PATH or (SGLang >= 0.5.22) "
+                     "\"bind\": true — a plain tcp://HOST:PORT makes SGLang connect, and then both sides connect")
+        return (f"no KV-event batch in {self.settings.kv_events_silence_s:.0f} s while KvMetrics show the engine "
+                f"holding KV pages; likely a bind/connect mismatch: {cause}")
+
+    def _watch_kv(self) -> None:
+        if self.kv_log is None:
+            return
+        busy = any(shows_prefill(m.kv_active_blocks, self.spec.page_size, at, self._kv_opened_at)
+                   for m, at in self.book.latest_with_times().values())
+        before = self._kv_watch.state
+        state = self._kv_watch.observe(time.monotonic(), self._kv_batches, busy)
+        if state != before:
+            self._wake.set()  # /workers shows it at the next push
+        if state == "silent" and not self._kv_warned:
+            self._kv_warned = True
+            logger.warning("worker %s: KV events silent (%s) — %s", self.name,
+                           "; ".join(p.describe() for p in self._kv_plans), self._silence_detail())
 
     # --- public methods -----------------------------------------------------------------------
 
@@ -190,6 +256,7 @@ class WorkerActor:
             "kv_events": None if self.kv_log is None else {
                 "seq": self.kv_log.seq, "blocks": self.kv_log.blocks(), "refused": dict(self._kv_refused),
                 "gaps": sum(t.gaps for t in self._kv_trackers.values()),
+                "replayed": self._kv_replayed, "endpoint": self.spec.kv_events_endpoint, **self._kv_info(),
             },
         }
 
@@ -277,12 +344,22 @@ class WorkerActor:
                 except KvEventError as exc:
                     self._kv_refused[exc.reason] = self._kv_refused.get(exc.reason, 0) + 1
                     continue
+                self._kv_batches += 1
+                if self._kv_watch.state != "ok":
+                    self._watch_kv()
                 tracker = self._kv_trackers.setdefault(batch.dp_rank, SeqTracker())
                 status = tracker.observe(batch.seq)
-                if status.lost_state:
-                    logger.warning("worker %s: KV events %s (rank %d); dropping that rank's entries",
-                                   self.name, status.kind, batch.dp_rank)
+                if status.kind == "restart":
+                    logger.warning("worker %s: KV events restarted at seq %d (rank %d): the engine restarted; "
+                                   "dropping that rank's entries", self.name, batch.seq, batch.dp_rank)
                     self.kv_log.lose_rank(batch.dp_rank)
+                elif status.kind in ("gap", "first") and batch.seq > 0:
+                    start = status.missing_from if status.kind == "gap" else 0
+                    if not await self._replay(batch.dp_rank, start, batch.seq) and status.kind == "gap":
+                        logger.warning("worker %s: KV events lost batches %d..%d (rank %d) and no replay "
+                                       "covered them; dropping that rank's entries",
+                                       self.name, status.missing_from, status.missing_to, batch.dp_rank)
+                        self.kv_log.lose_rank(batch.dp_rank)
                 if status.apply and batch.events:
                     self.kv_log.apply(batch.dp_rank, batch.events)
                 self._kv_changed.set()
@@ -292,6 +369,45 @@ class WorkerActor:
             except Exception:
                 logger.exception("worker %s: KV event loop error", self.name)
                 await asyncio.sleep(0.01)
+
+    async def _replay(self, rank: int, start: int, stop: int) -> bool:
+        """Ask the rank's replay ROUTER for batches `start`..`stop - 1` and apply them in order.
+        True only if every one of them arrived (the engine's buffer still held them)."""
+        assert self.kv_log is not None
+        plan = next((p for p in self._kv_plans if p.rank == rank), None)
+        if plan is None or plan.replay is None:
+            return False
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.MAXMSGSIZE, 16 * 1024 * 1024)
+        got: dict[int, Any] = {}
+        try:
+            dealer.connect(plan.replay)
+            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            deadline = time.monotonic() + self.settings.kv_events_replay_timeout_s
+            while (left := deadline - time.monotonic()) > 0:
+                if not await dealer.poll(left * 1000):
+                    break
+                try:
+                    frames = replay_reply(await dealer.recv_multipart())
+                    if frames is None:
+                        break
+                    b = decode_kv_event_frame(frames)
+                except KvEventError as exc:
+                    self._kv_refused[exc.reason] = self._kv_refused.get(exc.reason, 0) + 1
+                    continue
+                if start <= b.seq < stop:
+                    got[b.seq] = b
+        finally:
+            dealer.close(linger=0)
+        for seq in sorted(got):
+            if got[seq].events:
+                self.kv_log.apply(rank, got[seq].events)
+        self._kv_replayed += len(got)
+        complete = len(got) == stop - start
+        logger.info("worker %s: KV events replayed %d of batches %d..%d (rank %d)",
+                    self.name, len(got), start, stop - 1, rank)
+        return complete
 
     # --- push ---------------------------------------------------------------------------------
 
@@ -311,6 +427,7 @@ class WorkerActor:
         extra: dict[str, Any] = self.proc.status.as_dict() if self.proc else {}
         if self.kv_log is not None:  # routers follow this actor's KV log (exact prefix mode)
             extra["kv_events_actor"] = ray.get_runtime_context().get_actor_name()
+            extra["kv_events"] = self._kv_info()
         return extra
 
     async def _push_loop(self) -> None:
@@ -436,6 +553,7 @@ class WorkerActor:
         while True:
             try:
                 await self._probe()
+                self._watch_kv()
             except asyncio.CancelledError:
                 raise
             except Exception:

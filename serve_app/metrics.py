@@ -34,7 +34,17 @@ class _FleetCollector(Collector):
         state = GaugeMetricFamily("kvroute_worker_state", "1 for the worker's current state", labels=["worker", "state"])
         breaker = GaugeMetricFamily("kvroute_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open",
                                     labels=["worker"])
+        silent = GaugeMetricFamily(
+            "kvroute_worker_kv_events_silent",
+            "1 when the worker's KV-event subscription heard nothing while its engine held KV pages "
+            "(exact prefix mode is blind for it: check which side binds --kv-events-config)", labels=["worker"])
+        batches = CounterMetricFamily("kvroute_worker_kv_event_batches", "KV-event batches the worker's actor "
+                                      "received (as of its last report)", labels=["worker"])
         for rec in self.core.follower.workers.values():
+            kv_info = rec.extra.get("kv_events")
+            if isinstance(kv_info, dict):
+                silent.add_metric([rec.name], 1.0 if kv_info.get("status") == "silent" else 0.0)
+                batches.add_metric([rec.name], float(kv_info.get("batches") or 0))
             m = rec.metrics or {}
             running.add_metric([rec.name], m.get("request_active_slots", 0))
             waiting.add_metric([rec.name], m.get("num_requests_waiting", 0))
@@ -51,7 +61,7 @@ class _FleetCollector(Collector):
         tok = CounterMetricFamily("kvroute_tokenize_failures", "Prompts the configured tokenizer or chat "
                                   "template refused (routed with approximate prefix affinity)")
         tok.add_metric([], self.core.tokenize_failures)
-        yield from (running, waiting, kv, inflight, state, breaker, snap, up, tok)
+        yield from (running, waiting, kv, inflight, state, breaker, snap, up, tok, silent, batches)
 
 
 class RouterMetrics:

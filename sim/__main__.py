@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
@@ -43,10 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-per-kv-token-ns", type=float, default=d.decode_per_kv_token_s * 1e9)
     p.add_argument("--default-max-new-tokens", type=int, default=d.default_max_new_tokens)
     p.add_argument("--seed", type=int, default=d.seed, help="varies generated text, never lengths or timing")
-    p.add_argument("--kv-events-endpoint", help="ZMQ endpoint to bind a PUB for KV events, e.g. tcp://127.0.0.1:5557")
+    p.add_argument("--kv-events-config",
+                   help="SGLang's JSON (publisher, endpoint, topic, replay_endpoint, bind, buffer_steps); the "
+                   "PUB binds or connects as the --wire release decides, e.g. tcp://127.0.0.1:P connects")
+    p.add_argument("--kv-events-endpoint", help="KV-event PUB endpoint (the config's endpoint), e.g. tcp://*:5557")
     p.add_argument("--kv-events-replay-endpoint", help="ZMQ endpoint to bind a ROUTER for replay requests")
-    p.add_argument("--kv-events-encoding", choices=["array", "map"], default="map",
-                   help="array: tagged arrays (SGLang <= 0.5.18); map: tagged maps (>= 0.5.20)")
+    p.add_argument("--kv-events-encoding", choices=["array", "map"], default=None,
+                   help="array: tagged arrays (SGLang <= 0.5.18); map: tagged maps (>= 0.5.20); "
+                   "default: the --wire release's")
     p.add_argument("--kv-events-topic", default="")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return p
@@ -69,6 +74,17 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         dp_rank=args.dp_rank,
         seed=args.seed,
     )
+    kv = {"endpoint": args.kv_events_endpoint, "replay_endpoint": args.kv_events_replay_endpoint,
+          "topic": args.kv_events_topic}
+    if args.kv_events_config:
+        try:
+            given = json.loads(args.kv_events_config)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--kv-events-config: not JSON: {exc}") from None
+        if not isinstance(given, dict):
+            raise ValueError("--kv-events-config: must be a JSON object")
+        kv.update({k: v for k, v in given.items() if k in ("endpoint", "replay_endpoint", "topic", "bind",
+                                                             "buffer_steps")})
     return SimConfig(
         host=args.host,
         port=args.port,
@@ -77,10 +93,12 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         engine=engine,
         metrics_endpoint=args.metrics_endpoint,
         wire=args.wire,
-        kv_events_endpoint=args.kv_events_endpoint,
-        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        kv_events_endpoint=kv["endpoint"],
+        kv_events_bind=kv.get("bind"),
+        kv_events_replay_endpoint=kv["replay_endpoint"],
         kv_events_encoding=args.kv_events_encoding,
-        kv_events_topic=args.kv_events_topic,
+        kv_events_topic=kv["topic"],
+        **({"kv_events_buffer_steps": kv["buffer_steps"]} if "buffer_steps" in kv else {}),
     )
 
 
@@ -96,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as exc:
         err = exc.errors()[0]
         parser.error(f"{'.'.join(map(str, err['loc']))}: {err['msg']}")
+    except ValueError as exc:
+        parser.error(str(exc))
     from sim.server import serve  # heavy imports only once the arguments are known to be good
 
     try:

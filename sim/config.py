@@ -87,12 +87,25 @@ class SimConfig(BaseModel):
         None, description="ZMQ endpoint the sim CONNECTS a PUSH to (the receiver binds a PULL)"
     )
     wire: str = Field(DEFAULT_WIRE, description="SGLang release whose KvMetrics frames to send")
-    kv_events_endpoint: str | None = Field(None, description="ZMQ PUB endpoint the sim BINDS")
+    kv_events_endpoint: str | None = Field(
+        None, description="ZMQ PUB endpoint; bound or connected as the `wire` release's SGLang decides"
+    )
+    kv_events_bind: bool | None = Field(None, description="SGLang's \"bind\" key (honoured from 0.5.22)")
     kv_events_replay_endpoint: str | None = Field(None, description="ZMQ ROUTER endpoint, bound")
-    kv_events_encoding: KvEventsEncoding = "map"
+    kv_events_encoding: KvEventsEncoding | None = Field(
+        None, description="event encoding; default: the wire release's (array up to 0.5.18, map from 0.5.20)"
+    )
     kv_events_topic: str = ""
     kv_events_buffer_steps: int = Field(10_000, ge=1, description="batches kept for replay")
     shutdown_grace_s: float = Field(0.5, ge=0, description="how long open streams may finish")
+
+    @property
+    def events_encoding(self) -> KvEventsEncoding:
+        """The KV-event encoding the sim sends: as configured, else the wire release's own."""
+        if self.kv_events_encoding is not None:
+            return self.kv_events_encoding
+        major, minor, patch = (int(x) for x in self.wire.split("-")[0].split("."))
+        return "map" if (major, minor, patch) >= (0, 5, 20) else "array"
 
     @model_validator(mode="after")
     def _known_wire(self) -> "SimConfig":

@@ -9,6 +9,7 @@ exactly what the CLI runs; `stop()` sends SIGTERM and waits for a clean exit.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -53,9 +54,12 @@ def sim_argv(config: SimConfig) -> list[str]:
         "--decode-per-req-us", repr(e.decode_per_req_s * 1e6),
         "--decode-per-kv-token-ns", repr(e.decode_per_kv_token_s * 1e9),
         "--dp-rank", str(e.dp_rank), "--seed", str(e.seed),
-        "--kv-events-encoding", config.kv_events_encoding,
         "--kv-events-topic", config.kv_events_topic,
     ]
+    if config.kv_events_encoding:
+        argv += ["--kv-events-encoding", config.kv_events_encoding]
+    if config.kv_events_bind is not None:
+        argv += ["--kv-events-config", json.dumps({"bind": config.kv_events_bind})]
     if config.metrics_endpoint:
         argv += ["--metrics-endpoint", config.metrics_endpoint]
     if config.kv_events_endpoint:

@@ -194,7 +194,9 @@ class SimServer:
             if config.kv_events_endpoint:
                 publisher = KvEventPublisher(
                     config.kv_events_endpoint,
-                    encoding=config.kv_events_encoding,
+                    release=config.wire,
+                    bind=config.kv_events_bind,
+                    encoding=config.events_encoding,
                     topic=config.kv_events_topic,
                     dp_rank=engine_cfg.dp_rank,
                     replay_endpoint=config.kv_events_replay_endpoint,
@@ -267,7 +269,8 @@ class SimServer:
         if c.kv_events_endpoint:
             kv_cfg = json.dumps(
                 {"publisher": "zmq", "endpoint": c.kv_events_endpoint, "topic": c.kv_events_topic,
-                 "replay_endpoint": c.kv_events_replay_endpoint}
+                 "replay_endpoint": c.kv_events_replay_endpoint,
+                 **({"bind": c.kv_events_bind} if c.kv_events_bind is not None else {})}
             )
         return {
             "model_path": c.model_name,
@@ -300,6 +303,7 @@ class SimServer:
             "block_size": self.engine.page_size,
             "dp_size": 1,
             "encoding": pub.encoding,
+            "pub_binds": pub.binds,
             "next_seq": pub.next_seq,
         }
         if pub.endpoint.startswith("tcp://"):

@@ -22,6 +22,7 @@ WIRE_FORMS: dict[str, tuple[str, str, int | None]] = {
     "0.5.10": ("sglang.srt.observability.scheduler_metrics_mixin", "plain", 4),
     "0.5.12": ("sglang.srt.observability.scheduler_metrics_mixin", "dataclass", 4),
     "0.5.14": ("sglang.srt.managers.scheduler_components.kv_events_publisher", "dataclass", 4),
+    "0.5.20": ("sglang.srt.managers.scheduler_components.kv_events_publisher", "struct", 5),
     "0.5.23": ("sglang.srt.managers.scheduler_components.kv_events_publisher", "struct", 5),
     "0.5.23-msgpack": ("sglang.srt.managers.scheduler_components.kv_events_publisher", "struct", None),
 }

@@ -13,7 +13,9 @@ pytestmark = pytest.mark.ray
 PREFIX = "/exact"
 
 
-@pytest.fixture(scope="module", params=["map", "array"])
+# the sim's KV-event side follows its --wire release: 0.5.23 sends tagged maps, 0.5.14 tagged arrays, and
+# both CONNECT their PUB to the concrete address kvroute's actor bound (kv_events_endpoint: auto)
+@pytest.fixture(scope="module", params=["0.5.23", "0.5.14"])
 def env(request, ray_cluster, serve_port, tmp_path_factory):
     import ray
     from ray import serve
@@ -21,12 +23,13 @@ def env(request, ray_cluster, serve_port, tmp_path_factory):
     from actors.worker_actor import start_worker_actor
     from serve_app.app import build_app
 
-    enc = request.param
+    wire = request.param
+    enc = wire.replace(".", "")
     tmp = tmp_path_factory.mktemp(f"exact-{enc}")
     fleet = parse_fleet({"workers": [
         {"name": f"k{i}", "engine": "sim", "page_size": 16, "metrics_endpoint": f"ipc://{tmp}/k{i}.metrics",
          "kv_events_endpoint": "auto",
-         "engine_args": {"time_scale": 0.2, "kv_events_encoding": enc, "max_total_num_tokens": 65536}}
+         "engine_args": {"time_scale": 0.2, "wire": wire, "max_total_num_tokens": 65536}}
         for i in range(2)
     ]})
     actors = {w.name: start_worker_actor(w, fleet.settings, name_prefix=f"exact-{enc}-") for w in fleet.workers}
@@ -81,3 +84,7 @@ def test_workers_table_reports_kv_event_followers(env):
 
     stats = ray.get(env["actors"]["k0"].stats.remote())
     assert stats["kv_events"] is not None and stats["kv_events"]["gaps"] == 0
+    [hs] = stats["kv_events"]["handshake"]
+    assert hs["kvroute"] == "bind" and hs["address"] == stats["kv_events"]["endpoint"]
+    rows = {w["name"]: w for w in env["client"].get("/workers").json()["workers"]}
+    assert rows["k1"]["managed"]["kv_events"]["status"] in ("ok", "waiting")

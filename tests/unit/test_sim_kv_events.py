@@ -12,7 +12,7 @@ import zmq
 
 from sim.config import EngineConfig
 from sim.engine import Engine, run_until_idle
-from sim.kv_event_publisher import END_SEQ, KvEventPublisher
+from sim.kv_event_publisher import END_SEQ, KvEventPublisher, offset_endpoint, pub_binds
 from sim.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -154,7 +154,7 @@ def _recv(sock: zmq.Socket, timeout_ms: int = 2000) -> list[bytes]:
 
 def test_publisher_sends_three_frames_with_increasing_sequence(ctx, tmp_path):
     endpoint = f"ipc://{tmp_path}/kv-{uuid.uuid4().hex[:8]}"
-    pub = KvEventPublisher(endpoint, encoding="map", topic="kv", dp_rank=2, context=ctx)
+    pub = KvEventPublisher(endpoint, encoding="map", topic="kv", context=ctx)
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -173,7 +173,7 @@ def test_publisher_sends_three_frames_with_increasing_sequence(ctx, tmp_path):
     assert topic == b"kv"
     assert len(seq) == 8 and int.from_bytes(seq, "big") == seq0 + 1
     ts, events, rank = decode_batch(payload)
-    assert (ts, rank) == (9.0, 2) and isinstance(events[-1], AllBlocksCleared)
+    assert (ts, rank) == (9.0, 0) and isinstance(events[-1], AllBlocksCleared)
     pub.close()
 
 
@@ -203,4 +203,75 @@ def test_replay_returns_buffered_batches_from_a_sequence_then_the_end_marker(ctx
 
 def test_publisher_refuses_an_unbindable_endpoint(ctx):
     with pytest.raises(ValueError, match="cannot bind"):
-        KvEventPublisher("tcp://256.1.1.1:1", context=ctx)
+        KvEventPublisher("tcp://256.1.1.1:*", context=ctx)
+
+
+# ------------------------------------------------------------------ SGLang's bind/connect rule, per release
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "bind", "release", "binds"),
+    [
+        ("tcp://127.0.0.1:5557", None, "0.5.23", False),  # the config kvroute used to pass: SGLang connects
+        ("tcp://127.0.0.1:5557", True, "0.5.23", True),  # "bind" is honoured from 0.5.22 …
+        ("tcp://127.0.0.1:5557", True, "0.5.20", False),  # … and silently dropped before
+        ("tcp://*:5557", False, "0.5.23", False),
+        ("tcp://*:5557", None, "0.4.9", True),
+        ("tcp://[::1]:5557", None, "0.4.9", True),  # a substring test: any "::" binds
+        ("tcp://0.0.0.0:5557", None, "0.5.12", False),  # 0.0.0.0 binds only from 0.5.14
+        ("tcp://0.0.0.0:5557", None, "0.5.14", True),
+        ("ipc:///tmp/x", None, "0.4.9", True),
+    ],
+)
+def test_publisher_binds_or_connects_as_the_release_decides(endpoint, bind, release, binds):
+    assert pub_binds(endpoint, bind, release) is binds
+
+
+def test_ranks_offset_the_tcp_port_and_refuse_ipc():
+    assert offset_endpoint("tcp://127.0.0.1:5557", 3) == "tcp://127.0.0.1:5560"
+    assert offset_endpoint("ipc:///tmp/x", 0) == "ipc:///tmp/x"
+    with pytest.raises(ValueError):
+        offset_endpoint("ipc:///tmp/x", 1)
+
+
+def test_a_connecting_publisher_reaches_a_bound_subscriber_and_not_a_connecting_one(ctx):
+    bound = ctx.socket(zmq.SUB)
+    bound.setsockopt(zmq.LINGER, 0)
+    bound.setsockopt(zmq.SUBSCRIBE, b"")
+    port = bound.bind_to_random_port("tcp://127.0.0.1")
+    pub = KvEventPublisher(f"tcp://127.0.0.1:{port}", release="0.5.23", context=ctx)
+    assert not pub.binds
+    # a second subscriber that CONNECTS to the same address (kvroute's old behaviour) gets nothing:
+    # nobody listens there but the first subscriber, and SUB to SUB never carries a message
+    stray = ctx.socket(zmq.SUB)
+    stray.setsockopt(zmq.LINGER, 0)
+    stray.setsockopt(zmq.SUBSCRIBE, b"")
+    stray.connect(f"tcp://127.0.0.1:{port}")
+    for _ in range(200):
+        pub.publish([BlockRemoved([1])], ts=1.0)
+        if bound.poll(10):
+            break
+    assert bound.recv_multipart()[0] == b""
+    assert not stray.poll(200)
+    pub.close()
+
+
+@pytest.mark.parametrize(("release", "with_topic"), [("0.5.14", False), ("0.5.23", True)])
+def test_replay_frames_follow_the_release(ctx, tmp_path, release, with_topic):
+    pub = KvEventPublisher(f"ipc://{tmp_path}/pub", replay_endpoint=f"ipc://{tmp_path}/replay",
+                           topic="kv", release=release, context=ctx)
+    pub.publish([BlockRemoved([7])], ts=1.0)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(pub.replay_endpoint)
+    dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+    for _ in range(200):
+        if pub.serve_replay():
+            break
+        dealer.poll(10)
+    batch, end = _recv(dealer), _recv(dealer)
+    if with_topic:
+        assert batch[:3] == [b"", b"kv", (0).to_bytes(8, "big")] and end == [b"", b"", END_SEQ, b""]
+    else:
+        assert batch[:2] == [b"", (0).to_bytes(8, "big")] and len(batch) == 3 and end == [b"", END_SEQ, b""]
+    pub.close()

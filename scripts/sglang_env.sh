@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# Build (once, cached) the venv of the SGLang contract lane: `pytest -m sglang` runs kvroute against
+# SGLang's own Python code on a CPU-only machine.
+#
+#   scripts/sglang_env.sh [RELEASE]      # default 0.5.23; prints the venv's path on its last line
+#   SGLANG_ENV_DIR=…  picks where the venvs live (default: <repo>/.venv-sglang/<release>)
+#
+# What goes in: torch 2.13.0 (the CPU wheel on this machine's disk — never an unpinned `torch`, which
+# pulls a multi-GB CUDA build), sglang==RELEASE with --no-deps, exactly the packages its import of
+# `sglang.srt.server_args`, `…disaggregation.kv_events` and the KvMetrics publisher needs, and
+# kvroute itself (`-e .[test]`). Every install runs under a constraint pinning torch, so no
+# dependency can swap it. One exception is not the real package: PyPI's torchvision wheels are
+# CUDA builds whose C ops cannot load next to CPU torch, and SGLang imports `torchvision.transforms`
+# at import time (multimodal configs) without using it on the paths under test; the venv gets a
+# tiny import shim that raises if anything is called (see `_torchvision_shim` below).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RELEASE=${1:-${SGLANG_RELEASE:-0.5.23}}
+ROOT=${SGLANG_ENV_DIR:-$PWD/.venv-sglang}
+VENV=$ROOT/$RELEASE
+STAMP=$VENV/.kvroute-ready
+PY=${PYTHON:-python3}
+
+# import-time dependencies, per release (found by importing the modules under test one by one)
+case "$RELEASE" in
+  0.5.2[0-9]|0.5.1[4-9])
+    DEPS="pyzmq msgspec pydantic numpy requests psutil orjson pybase64 packaging pillow starlette fastapi
+          uvicorn tqdm ipython aiohttp dill transformers==5.19.0 triton apache-tvm-ffi sentencepiece
+          compressed-tensors gguf partial-json-parser" ;;
+  *)
+    DEPS="pyzmq msgspec pydantic numpy requests psutil orjson pybase64 packaging pillow starlette fastapi
+          uvicorn tqdm ipython aiohttp dill transformers triton" ;;
+esac
+
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$RELEASE $(sha1sum "$0" | cut -c1-12)" ]; then
+  # cached: only kvroute itself may have changed (editable install: nothing to do)
+  echo "$VENV"
+  exit 0
+fi
+
+t0=$(date +%s)
+rm -rf "$VENV"
+mkdir -p "$ROOT"
+"$PY" -m venv "$VENV"
+CONSTRAINTS=$ROOT/constraints.txt
+echo "torch==2.13.0" > "$CONSTRAINTS"
+PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -c "$CONSTRAINTS")
+"${PIP[@]}" torch==2.13.0
+"${PIP[@]}" --no-deps "sglang==$RELEASE"
+# shellcheck disable=SC2086
+"${PIP[@]}" $DEPS
+"${PIP[@]}" -e ".[test]"
+
+_torchvision_shim() {
+  local site
+  site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  mkdir -p "$site/torchvision"
+  cat > "$site/torchvision/__init__.py" <<'PY'
+"""kvroute's import shim for torchvision (scripts/sglang_env.sh). PyPI has only CUDA builds of
+torchvision, whose C ops cannot load next to CPU torch; SGLang and transformers import it for
+multimodal models, which the contract tests never run. Every `torchvision.*` module imports, every
+name in it is a placeholder, and calling one raises."""
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+
+__version__ = "0.0.0+kvroute.shim"
+
+
+class _Absent:
+    def __init__(self, name):
+        self._name = name
+
+    def __getattr__(self, attr):
+        return _Absent(f"{self._name}.{attr}")
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"{self._name}: torchvision is an import shim in kvroute's SGLang test venv")
+
+    def __mro_entries__(self, bases):
+        return (object,)
+
+
+def _module_getattr(modname):
+    def __getattr__(name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Absent(f"{modname}.{name}")
+    return __getattr__
+
+
+class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.startswith("torchvision."):
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        mod = types.ModuleType(spec.name)
+        mod.__path__ = []
+        mod.__getattr__ = _module_getattr(spec.name)
+        return mod
+
+    def exec_module(self, module):
+        pass
+
+
+sys.meta_path.append(_Finder())
+__getattr__ = _module_getattr("torchvision")
+PY
+}
+_torchvision_shim
+
+# the modules the contract tests use must import
+"$VENV/bin/python" - "$RELEASE" <<'PY'
+import importlib, sys
+release = sys.argv[1]
+mods = ["sglang.srt.server_args", "sglang.srt.disaggregation.kv_events"]
+if tuple(int(x) for x in release.split(".")[:3]) >= (0, 5, 14):
+    mods.append("sglang.srt.managers.scheduler_components.kv_events_publisher")
+for m in mods:
+    importlib.import_module(m)
+PY
+echo "$RELEASE $(sha1sum "$0" | cut -c1-12)" > "$STAMP"
+t1=$(date +%s)
+echo "sglang env $RELEASE built in $((t1 - t0)) s, $(du -sh "$VENV" | cut -f1)" >&2
+echo "$VENV"
