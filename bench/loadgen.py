@@ -1,4 +1,8 @@
-"""Open-loop load generator (asyncio + httpx, streaming chat completions) and a closed-loop one.
+"""Open-loop load generator (asyncio + aiohttp, streaming chat completions) and a closed-loop one.
+
+aiohttp, not httpx: its HTTP parser is C (httpx's h11 is pure Python), which cut the load
+generator's CPU per streamed request several-fold — the generator must never be what saturates the
+machine (`bench.cpu` reports its share per trial).
 
 Every request is a streamed `/v1/chat/completions` with `stream_options.include_usage`, so each
 response tells us its engine's `prompt_tokens_details.cached_tokens`. Times are wall-clock
@@ -21,7 +25,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import httpx
+import aiohttp
 
 from bench.workloads import Session, Trace, build_messages
 
@@ -81,11 +85,12 @@ class RequestResult:
         }
 
 
-def make_client(timeout_s: float) -> httpx.AsyncClient:
-    return httpx.AsyncClient(
-        timeout=httpx.Timeout(timeout_s, connect=5.0),
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=30),
+def make_client(timeout_s: float) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=None, connect=5.0, sock_read=timeout_s),
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),  # no pool limit: open loop
         trust_env=False,  # loopback only: never a proxy from the environment
+        auto_decompress=False,
     )
 
 
@@ -96,25 +101,24 @@ def chat_body(messages: list[dict[str, str]], max_tokens: int) -> bytes:
     }).encode()
 
 
-async def stream_chat(client: httpx.AsyncClient, url: str, body: bytes, headers: dict[str, str],
+async def stream_chat(client: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str],
                       res: RequestResult, clock: Callable[[], float]) -> None:
     """Send one streamed chat request and fill `res` (times relative to the send)."""
     t0 = clock()
     last = None
     parts: list[str] = []
     try:
-        async with client.stream("POST", url, content=body,
-                                 headers={"content-type": "application/json", **headers}) as resp:
-            res.status = resp.status_code
+        async with client.post(url, data=body, headers={"content-type": "application/json", **headers}) as resp:
+            res.status = resp.status
             for h in WORKER_HEADERS:
                 if h in resp.headers:
                     res.worker = resp.headers[h]
-            if resp.status_code != 200:
-                res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:160].decode('utf-8', 'replace')}"
+            if resp.status != 200:
+                res.error = f"HTTP {resp.status}: {(await resp.read())[:160].decode('utf-8', 'replace')}"
                 return
             buf = b""
             done = False
-            async for chunk in resp.aiter_bytes():
+            async for chunk in resp.content.iter_any():
                 now = clock()
                 buf += chunk
                 while True:
@@ -154,9 +158,9 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: bytes, headers:
             res.ok = res.error is None and res.tokens > 0
             if not res.ok and res.error is None:
                 res.error = "no tokens"
-    except httpx.TimeoutException as exc:
+    except asyncio.TimeoutError as exc:
         res.error = f"timeout ({type(exc).__name__})"
-    except httpx.HTTPError as exc:
+    except (aiohttp.ClientError, ValueError) as exc:
         res.error = f"{type(exc).__name__}: {str(exc)[:120]}"
     finally:
         res.reply = "".join(parts)

@@ -209,7 +209,7 @@ def _markdown(doc, agg, rates, targets, oh, goals, plots) -> str:
              f"{doc.get('startup_s', '?')} s).\n")
     L.append(f"Machine: {m.get('cpu', '?')}, {m.get('cores')} cores, {m.get('memory_gb', '?')} GB; {m.get('platform')}; "
              f"Python {m.get('python')}; Ray {m.get('ray', '?')}; sglang-router {m.get('sglang_router', '?')}; "
-             f"httpx {m.get('httpx', '?')}. Load average at start {doc.get('loadavg_start')}, at end "
+             f"aiohttp {m.get('aiohttp', '?')}. Load average at start {doc.get('loadavg_start')}, at end "
              f"{doc.get('loadavg_end')} (the machine is shared: other jobs ran during the measurement).")
     L.append(f"Code: git `{m.get('git_commit', '?')[:12]}`"
              + (f", uncommitted changes in {len(m['git_dirty_paths'])} path(s) under actors/ serve_app/ sim/"
@@ -238,8 +238,8 @@ def _markdown(doc, agg, rates, targets, oh, goals, plots) -> str:
              f"sent in the first {cfg['warmup_s']} s are excluded (warm-up). Each cell has its own seed, so no router "
              f"has seen a trace's prefixes before it runs it. Values are the mean over repetitions, ± the sample "
              f"standard deviation across repetitions.")
-    L.append("- Load generator: one asyncio process, httpx, streamed `/v1/chat/completions` with "
-             "`stream_options.include_usage`; open-loop Poisson session starts. TTFT = first chunk carrying text; "
+    L.append("- Load generator: one asyncio process, aiohttp, streamed `/v1/chat/completions` with "
+             "`stream_options.include_usage`; open-loop session starts (Poisson, or the trace's own arrivals). TTFT = first chunk carrying text; "
              "ITL = gaps between text chunks (pooled); throughput = completed measured requests / (last end − first "
              "send); cache hit = Σ cached_tokens / Σ prompt_tokens of measured responses (engine-reported); load "
              "spread = requests per worker from `/sim/stats` deltas (whole trial).")

@@ -331,6 +331,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=5.0, help="sessions starting earlier are not measured")
     ap.add_argument("--policies", default="kv_aware,cache_aware,round_robin,least_loaded")
     ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--net", type=float, default=Knobs.net_s, metavar="S",
+                    help="router → worker (and back) transit, simulated seconds; a starved router's dispatch lag")
     ap.add_argument("--report-delay", type=float, default=Knobs.report_delay_s, metavar="S",
                     help="engine report → router's view (the metrics plane's lag), simulated seconds")
     ap.add_argument("--kv", action="append", default=[], metavar="KNOB=VALUE",
@@ -345,7 +347,7 @@ def main() -> int:
         for pol in ns.policies.split(","):
             t0 = time.perf_counter()
             rows = [run(ns.workload, rate, ns.duration, pol, seed=s + 1, kv_aware=kv, warmup_s=ns.warmup,
-                        knobs=Knobs(report_delay_s=ns.report_delay)).summary()
+                        knobs=Knobs(net_s=ns.net, report_delay_s=ns.report_delay)).summary()
                     for s in range(ns.seeds)]
             m = {key: statistics.mean(r[key] for r in rows) for key in rows[0]}
             print(f"| {pol} | {rate:g} | {m['req/s']:.1f} | {m['ttft_p50_ms']:.0f} | {m['ttft_p99_ms']:.0f} | "

@@ -141,7 +141,7 @@ def machine_info() -> dict[str, Any]:
         from importlib.metadata import version
 
         info["sglang_router"] = version("sglang-router")
-        info["httpx"] = version("httpx")
+        info["aiohttp"] = version("aiohttp")
     except Exception:
         pass
     try:
