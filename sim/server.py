@@ -35,10 +35,10 @@ from sim.kv_events import KvEvent
 from sim.metrics_emitter import MetricsEmitter
 from sim.prometheus import CONTENT_TYPE as PROM_CONTENT_TYPE
 from sim.prometheus import SimMetrics
+from sim.sglang_shapes import SIM_ROUTES, http_routes, release_of
 
 logger = logging.getLogger(__name__)
 
-SGLANG_VERSION = "0.5.23"  # what /server_info and /v1/loads say the server is
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _MAX_LAG_S = 0.05  # wall seconds the driver may fall behind before it stops catching up
 
@@ -213,7 +213,8 @@ class SimServer:
         self.metrics = SimMetrics(config.model_name)
         self.driver: EngineDriver | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self.app = self._build_app()
+        self.version = release_of(config.wire)  # what /server_info and /v1/loads say the server is
+        self.app = _keep_release_routes(self._build_app(), config.wire)
 
     # -------------------------------------------------------------- lifecycle
 
@@ -500,7 +501,7 @@ class SimServer:
                     "max_total_num_tokens": self.engine.max_total_num_tokens,
                     "token_usage": stats.token_usage,
                 }],
-                "version": SGLANG_VERSION,
+                "version": self.version,
                 "frontend": "python",
                 "sim": self.stats_json(),
             }
@@ -543,7 +544,7 @@ class SimServer:
                 return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8")
             return {
                 "timestamp": datetime.now(timezone.utc).isoformat(),
-                "version": SGLANG_VERSION,
+                "version": self.version,
                 "accelerator": "NVIDIA H100 80GB HBM3",
                 "num_accelerators": 1,
                 "loads": [load],
@@ -551,7 +552,7 @@ class SimServer:
 
         @app.get("/get_load")
         async def get_load() -> list[dict[str, Any]]:
-            # the legacy shape (≤ 0.5.12) that sglang-router's power_of_two reads (`num_tokens`)
+            # the legacy shape sglang-router's power_of_two reads (`num_tokens`); gone in 0.5.23
             snap = self._load_snapshot()
             return [{
                 "dp_rank": snap["dp_rank"],
@@ -716,6 +717,29 @@ class SimServer:
             })
         self._account(stream, streaming=True)
         yield _DONE
+
+
+def _keep_release_routes(app: FastAPI, wire: str) -> FastAPI:
+    """Leave exactly the routes the claimed release has (`sim.sglang_shapes.HTTP_ROUTES`, the one
+    table) plus the sim's own; every other path then gets FastAPI's 404 {"detail": "Not Found"},
+    as from SGLang's app. Fails if a handler and the table disagree (path or methods)."""
+    from fastapi.routing import APIRoute
+
+    want = {**http_routes(wire), **SIM_ROUTES}
+    have: dict[str, frozenset[str]] = {}
+    kept = []
+    for route in app.router.routes:
+        if not isinstance(route, APIRoute):
+            kept.append(route)
+            continue
+        have[route.path] = have.get(route.path, frozenset()) | frozenset(route.methods)
+        if route.path in want:
+            kept.append(route)
+    missing = {p: m for p, m in want.items() if have.get(p) != m}
+    if missing:
+        raise RuntimeError(f"sim handlers disagree with the route table for {wire}: {missing} (have {have})")
+    app.router.routes[:] = kept
+    return app
 
 
 # ------------------------------------------------------------------------------ running it

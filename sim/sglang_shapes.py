@@ -122,3 +122,57 @@ def encode_kv_metrics(form: str, **values: Any) -> bytes:
     if protocol is None:
         return msgspec.msgpack.encode(obj)
     return pickle.dumps(obj, protocol=protocol)
+
+
+# ------------------------------------------------------------------------------ HTTP surface
+
+# Every release the sim can claim (`--wire`), oldest first; a wire form names its release before "-".
+RELEASES: tuple[str, ...] = ("0.4.9", "0.5.8", "0.5.10", "0.5.12", "0.5.14", "0.5.20", "0.5.23")
+_ALL = frozenset(RELEASES)
+_FROM_0_5_8 = frozenset(RELEASES[1:])
+
+# The routes of SGLang's HTTP server (`python/sglang/srt/entrypoints/http_server.py`, its
+# `v1_loads.py` router, and `/metrics`, which `add_prometheus_middleware` mounts when metrics are
+# on — the sim always runs as `--enable-metrics`) that the sim serves, with their methods and the
+# releases that have them. Each entry was read from that release's wheel
+# (`pip download --no-deps sglang==X`): the decorators `@app.get(...)` / `@app.api_route(...)`.
+#   /get_model_info, /get_server_info: every release; /model_info, /server_info added between 0.4.9
+#   and 0.5.8 (both names served since). /v1/loads: from 0.5.8 (v1_loads.py). /get_load: up to and
+#   including 0.5.20 (a deprecated shim over /v1/loads from 0.5.8), absent from 0.5.23.
+# Anything else answers as SGLang's FastAPI app answers a route it does not have: 404
+# {"detail": "Not Found"} (405 {"detail": "Method Not Allowed"} for a known path, wrong method).
+# Real routes the sim does not model (LoRA, weights, sessions, /v1/models/{model}, /openapi.json, …)
+# 404 too.
+HTTP_ROUTES: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    "/health": (frozenset({"GET"}), _ALL),
+    "/health_generate": (frozenset({"GET"}), _ALL),
+    "/v1/models": (frozenset({"GET"}), _ALL),
+    "/get_model_info": (frozenset({"GET"}), _ALL),
+    "/model_info": (frozenset({"GET"}), _FROM_0_5_8),
+    "/get_server_info": (frozenset({"GET"}), _ALL),
+    "/server_info": (frozenset({"GET"}), _FROM_0_5_8),
+    "/get_load": (frozenset({"GET"}), _ALL - {"0.5.23"}),
+    "/v1/loads": (frozenset({"GET"}), _FROM_0_5_8),
+    "/metrics": (frozenset({"GET"}), _ALL),
+    "/flush_cache": (frozenset({"GET", "POST"}), _ALL),
+    "/generate": (frozenset({"POST", "PUT"}), _ALL),
+    "/v1/completions": (frozenset({"POST"}), _ALL),
+    "/v1/chat/completions": (frozenset({"POST"}), _ALL),
+}
+# The sim's own routes (not SGLang's; every release): ground truth for tests and the benchmark.
+SIM_ROUTES: dict[str, frozenset[str]] = {"/sim/stats": frozenset({"GET"})}
+
+
+def release_of(form: str) -> str:
+    """The SGLang release a wire form claims ("0.5.23-msgpack" → "0.5.23")."""
+    if form not in WIRE_FORMS:
+        raise KeyError(f"unknown wire form {form!r}; expected one of {sorted(WIRE_FORMS)}")
+    release = form.split("-")[0]
+    assert release in RELEASES, release
+    return release
+
+
+def http_routes(form: str) -> dict[str, frozenset[str]]:
+    """Path → methods of the SGLang routes the sim serves when it claims `form`'s release."""
+    release = release_of(form)
+    return {path: methods for path, (methods, releases) in HTTP_ROUTES.items() if release in releases}
