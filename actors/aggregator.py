@@ -1,88 +1,250 @@
-"""The singleton aggregator actor: soft state filled by worker actors, long-polled by routers."""
+"""The singleton aggregator actor: soft state filled by reports pushed over ZeroMQ, published to
+router replicas as coalesced deltas over ZeroMQ PUB/SUB.
+
+Ray carries only lifecycle: creating and restarting the actor, handing out its `Endpoints`
+(addresses + token), full snapshots for followers that start or resync, and removals. The hot
+path never makes a Ray call: worker actors and router replicas PUSH msgspec frames to its PULL
+(`actors.protocol`), and it publishes at most one delta per `publish_interval_s`.
+
+Exposure: both sockets bind a concrete address, never a wildcard — loopback while every Ray node
+is this machine, else this node's Ray IP (the cluster's private interface). Every pushed frame must
+carry the aggregator's token (128 random bits, handed out only through Ray's authenticated actor
+calls, kept across restarts) and decode as exactly one typed message; anything else is counted and
+dropped. The PUB stream carries the fleet view (worker URLs and load), no secrets.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import json
 import logging
+import os
+import secrets
+import time
+from collections import Counter
 from typing import Any
 
 import ray
+import zmq
+import zmq.asyncio
 
 from actors.models import Settings
+from actors.protocol import (
+    MAX_INGEST_FRAME_BYTES, Endpoints, InFlightShare, ProtocolError, decode_ingest, encode_delta,
+)
 from actors.registry import FleetRegistry
 
 logger = logging.getLogger("kvroute.aggregator")
 
 AGGREGATOR_NAME = "kvroute-aggregator"
 NAMESPACE = "kvroute"
+_PORTS_KEY = b"kvroute-aggregator-ports"  # Ray internal KV: where the last incarnation listened
+_DRAIN_BATCH = 4096
+
+
+def _node_ip() -> str:
+    return ray.util.get_node_ip_address()
+
+
+def _cluster_is_this_machine(ip: str) -> bool:
+    try:
+        return {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")} <= {ip}
+    except Exception:
+        return False
+
+
+def _remembered_ports() -> dict[str, list[int]]:
+    try:
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        raw = _internal_kv_get(_PORTS_KEY, namespace=NAMESPACE)
+        return json.loads(raw) if raw else {}
+    except Exception:
+        return {}
+
+
+def _remember_ports(ports: dict[str, list[int]]) -> None:
+    try:
+        from ray.experimental.internal_kv import _internal_kv_put
+
+        _internal_kv_put(_PORTS_KEY, json.dumps(ports).encode(), overwrite=True, namespace=NAMESPACE)
+    except Exception:
+        logger.warning("could not remember the aggregator's ports; a restart will pick new ones")
+
+
+def _bind(sock: zmq.Socket, host: str, port: int | None) -> int:
+    """Bind `host`, on `port` if given and free (a restart keeps its address), else a random port."""
+    if port:
+        try:
+            sock.bind(f"tcp://{host}:{port}")
+            return port
+        except zmq.ZMQError:
+            pass
+    return sock.bind_to_random_port(f"tcp://{host}")
 
 
 # max_task_retries=-1: calls made while Ray restarts it wait for the new incarnation instead of
-# failing (every method is idempotent), so pushes and long polls resume the moment it is back.
+# failing (every method is idempotent), so snapshots and endpoint look-ups resume when it is back.
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
 class Aggregator:
-    """Named, detached, restartable. Holds only soft state: after a restart the workers'
-    heartbeats (≤ `heartbeat_s`) make it whole again, and the new epoch tells routers to resync."""
+    """Named, detached, restartable. Holds only soft state: after a restart (same token, same ports
+    when free) the workers' next reports (≤ `heartbeat_s`) make it whole, and the new epoch in the
+    published deltas tells routers to resync."""
 
-    def __init__(self, settings: dict[str, Any] | None = None) -> None:
-        self._registry = FleetRegistry(Settings.model_validate(settings or {}))
+    def __init__(self, settings: dict[str, Any] | None = None, token: str | None = None) -> None:
+        self.settings = Settings.model_validate(settings or {})
+        self._registry = FleetRegistry(self.settings)
+        self._token = token or secrets.token_hex(16)
+        self._ctx = zmq.asyncio.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.RCVHWM, 100_000)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_INGEST_FRAME_BYTES)  # larger peers are dropped by ZMQ
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.SNDHWM, 1000)  # a follower this far behind is dropped from, then resyncs
+        self._ip = _node_ip()
+        self._ports = _remembered_ports()
+        self._bound: dict[str, tuple[str, str]] = {}
+        self._listen("127.0.0.1" if _cluster_is_this_machine(self._ip) else self._ip)
         self._changed = asyncio.Event()
-        self._ticker = asyncio.get_running_loop().create_task(self._tick_loop())
-        logger.info("aggregator up, epoch %s", self._registry.epoch)
+        self.reports = 0
+        self.shares = 0
+        self.refused: Counter = Counter()
+        self.published = 0
+        self.published_bytes = 0
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._ingest_loop()), loop.create_task(self._publish_loop()),
+                       loop.create_task(self._tick_loop())]
+        logger.info("aggregator up, epoch %s, listening on %s", self._registry.epoch, self._bound)
 
-    @ray.method(enable_task_events=False)  # hot path: skip Ray's per-call task events
-    async def report(self, batch: dict[str, Any]) -> str:
-        """One worker actor's batched report. Returns the registry epoch."""
-        if self._registry.report(batch):
-            self._notify()
-        return self._registry.epoch
+    def _listen(self, host: str) -> tuple[str, str]:
+        if host not in self._bound:
+            old = self._ports.get(host, [None, None])
+            ports = [_bind(self._pull, host, old[0]), _bind(self._pub, host, old[1])]
+            self._bound[host] = (f"tcp://{host}:{ports[0]}", f"tcp://{host}:{ports[1]}")
+            self._ports[host] = ports
+            _remember_ports(self._ports)
+        return self._bound[host]
 
-    @ray.method(enable_task_events=False)  # hot path: skip Ray's per-call task events
-    async def report_in_flight(self, replica: str, counts: dict[str, int]) -> str:
-        if self._registry.report_in_flight(replica, counts):
-            self._notify()
-        return self._registry.epoch
+    # --- lifecycle (Ray calls) ----------------------------------------------------------------
+
+    async def endpoints(self, client_ip: str | None = None) -> Endpoints:
+        """Where to push reports and follow deltas from `client_ip`'s node: loopback for this
+        machine, this node's IP otherwise (bound on first need)."""
+        remote = "127.0.0.1" in self._bound and client_ip not in (None, self._ip, "127.0.0.1")
+        host = self._ip if remote else next(iter(self._bound))
+        ingest, publish = self._listen(host)
+        return Endpoints(epoch=self._registry.epoch, ingest=ingest, publish=publish, token=self._token)
+
+    async def snapshot(self) -> bytes:
+        """The whole fleet as an encoded `FleetDelta` (full): a follower's start and resync."""
+        return encode_delta(self._registry.snapshot())
 
     async def remove(self, name: str) -> bool:
         removed = self._registry.remove(name)
         if removed:
             logger.info("worker %s removed", name)
-            self._notify()
+            self._changed.set()
         return removed
-
-    @ray.method(enable_task_events=False)  # hot path: skip Ray's per-call task events
-    async def snapshot(
-        self, since_version: int = 0, epoch: str | None = None, timeout_s: float = 5.0
-    ) -> dict[str, Any]:
-        """Long poll: answers at once if something changed after `since_version` (or the epoch
-        differs), else when something changes or after `timeout_s` with an empty delta."""
-        reg = self._registry
-        if epoch == reg.epoch and since_version >= reg.version:
-            event = self._changed
-            try:
-                await asyncio.wait_for(event.wait(), timeout=timeout_s)
-            except asyncio.TimeoutError:
-                pass
-        return reg.delta(since_version, epoch)
 
     async def names(self) -> list[str]:
         return self._registry.names()
 
-    @ray.method(enable_task_events=False)  # hot path: skip Ray's per-call task events
     async def ping(self) -> str:
         return self._registry.epoch
 
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
+    async def stats(self) -> dict[str, Any]:
+        """Counters for benchmarks and diagnosis."""
+        return {"pid": os.getpid(), "epoch": self._registry.epoch, "workers": len(self._registry),
+                "version": self._registry.version, "reports": self.reports, "in_flight_shares": self.shares,
+                "refused": dict(self.refused), "published": self.published,
+                "published_bytes": self.published_bytes, "endpoints": dict(self._bound)}
+
+    # --- hot path (ZeroMQ) --------------------------------------------------------------------
+
+    async def _ingest_loop(self) -> None:
+        sock = self._pull
+        raw = zmq.Socket.shadow(sock.underlying)  # sync view of the same socket for cheap drains
+        reg, token = self._registry, self._token.encode()
+        while True:
+            try:
+                await sock.poll(flags=zmq.POLLIN)
+                changed = False
+                for _ in range(_DRAIN_BATCH):
+                    try:
+                        frame = raw.recv(zmq.NOBLOCK, copy=True)
+                    except zmq.Again:
+                        break
+                    if raw.getsockopt(zmq.RCVMORE):
+                        while raw.getsockopt(zmq.RCVMORE):
+                            raw.recv(zmq.NOBLOCK)
+                        self.refused["multipart"] += 1
+                        continue
+                    try:
+                        msg = decode_ingest(frame)
+                    except ProtocolError:
+                        self.refused["malformed"] += 1
+                        continue
+                    if not hmac.compare_digest(msg.token.encode(), token):
+                        self.refused["token"] += 1
+                        continue
+                    if isinstance(msg, InFlightShare):
+                        self.shares += 1
+                        changed |= reg.report_in_flight(msg.replica, msg.counts)
+                        continue
+                    for r in msg.reports:
+                        self.reports += 1
+                        changed |= reg.report(r)
+                if changed:
+                    self._changed.set()
+                # let frames gather: one wake-up per interval instead of one per frame (at 2,000
+                # reports/s the per-wake-up cost of the event loop would dominate)
+                await asyncio.sleep(self.settings.ingest_interval_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the ingest loop must never die
+                logger.exception("ingest loop error")
+                await asyncio.sleep(0.01)
+
+    async def _publish_loop(self) -> None:
+        """At most one delta per `publish_interval_s`, carrying every worker changed since the last
+        one; a keep-alive (empty delta) after `heartbeat_s` of quiet."""
+        s, reg = self.settings, self._registry
+        last = 0.0
+        while True:
+            try:
+                try:
+                    await asyncio.wait_for(self._changed.wait(), timeout=s.heartbeat_s)
+                except asyncio.TimeoutError:
+                    pass
+                gap = s.publish_interval_s - (time.monotonic() - last)
+                if gap > 0:
+                    await asyncio.sleep(gap)
+                self._changed.clear()
+                delta = reg.take_delta() or reg.keepalive()
+                frame = encode_delta(delta)
+                try:
+                    self._pub.send(frame, zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+                self.published += 1
+                self.published_bytes += len(frame)
+                last = time.monotonic()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("publish loop error")
+                await asyncio.sleep(0.01)
 
     async def _tick_loop(self) -> None:
-        period = self._registry.settings.state_tick_s
+        period = self.settings.state_tick_s
         while True:
             await asyncio.sleep(period)
             try:
                 if self._registry.tick():
-                    self._notify()
+                    self._changed.set()
             except Exception:  # never let the ticker die silently
                 logger.exception("state tick failed")
 
@@ -100,10 +262,12 @@ def aggregator_options(settings: Settings, resources: dict[str, float] | None = 
 def get_or_create_aggregator(
     settings: Settings | None = None, resources: dict[str, float] | None = None
 ) -> Any:
-    """The singleton's handle, creating it if absent (idempotent across callers). Blocking call:
-    from an async actor run it in a thread (`asyncio.to_thread`)."""
+    """The singleton's handle, creating it if absent (idempotent across callers; the first
+    creator's token is kept, Ray restarts the actor with it). Blocking call: from an async actor
+    run it in a thread (`asyncio.to_thread`)."""
     settings = settings or Settings()
-    return Aggregator.options(**aggregator_options(settings, resources)).remote(settings.model_dump())
+    return Aggregator.options(**aggregator_options(settings, resources)).remote(
+        settings.model_dump(), secrets.token_hex(16))
 
 
 def kill_aggregator() -> bool:

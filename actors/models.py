@@ -67,7 +67,9 @@ class Settings(BaseModel):
         2, ge=1, description="consecutive probe timeouts before unhealthy (refused = at once)"
     )
     max_frame_bytes: int = Field(64 * 1024, gt=0, description="larger frames are refused unparsed")
-    max_pending_pushes: int = Field(2, ge=1, description="unanswered pushes before coalescing")
+    max_pending_pushes: int = Field(
+        2, ge=1, description="reports queued toward the aggregator before newer ones are dropped (ZMQ send HWM)"
+    )
     kv_events_silence_s: float = Field(
         5.0, gt=0, description="KvMetrics show held KV pages this long with no KV-event batch → 'silent'"
     )
@@ -76,11 +78,22 @@ class Settings(BaseModel):
     idle_after_s: float = Field(3.0, gt=0, description="silence after which a healthy worker is idle")
     down_after_s: float = Field(2.0, gt=0, description="heartbeat age after which a worker is down")
     state_tick_s: float = Field(0.1, gt=0, description="how often time-driven states are re-derived")
+    ingest_interval_s: float = Field(
+        0.005, ge=0, description="the aggregator drains pushed reports at most this often (batches wake-ups)"
+    )
+    publish_interval_s: float = Field(
+        0.01, gt=0, description="min gap between two fleet deltas published to router replicas (coalescing window)"
+    )
     aggregator_resources: dict[str, float] = Field(
         default_factory=dict, description="custom Ray resources the aggregator requests (e.g. kvroute_head)"
     )
     # router
-    snapshot_poll_timeout_s: float = Field(5.0, gt=0, description="long-poll wait per call")
+    snapshot_poll_timeout_s: float = Field(
+        5.0, gt=0, description="Ray-call timeout of a follower's full snapshot (start and resync)"
+    )
+    follower_silence_s: float = Field(
+        1.5, gt=0, description="no delta or keep-alive this long → the follower re-resolves the aggregator"
+    )
     reconnect_backoff_s: float = Field(0.1, gt=0, description="first retry delay to the aggregator")
     reconnect_backoff_max_s: float = Field(0.5, gt=0, description="cap of that delay")
 

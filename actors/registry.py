@@ -1,8 +1,9 @@
-"""The aggregator's soft state: workers, their latest metrics and liveness, versioned for long polls.
+"""The aggregator's soft state: workers, their latest metrics and liveness, versioned for followers.
 
-Pure logic (no Ray): the aggregator actor is a thin shell around `FleetRegistry`. Every change
-bumps the registry version and stamps the changed worker with it, so a follower asking
-`delta(since)` gets exactly the workers that changed, plus the full name list to notice removals.
+Pure logic (no Ray, no sockets): the aggregator actor is a thin shell around `FleetRegistry`. Every
+change bumps the registry version, stamps the changed worker with it and marks it dirty;
+`take_delta()` hands the publisher exactly the workers changed since its last call (the name list
+only when membership changed), `snapshot()` gives a follower that must resync the whole fleet.
 """
 
 from __future__ import annotations
@@ -12,14 +13,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from actors.models import KV_METRICS_FIELDS, Settings, WorkerState, derive_state, sum_ranks
-
-
-@dataclass(slots=True)
-class _Rank:
-    values: dict[str, Any]  # the 8 KvMetrics fields, token counts as sent
-    received_at: float  # registry clock
-    seq: int
+from actors.models import Settings, WorkerState, derive_state
+from actors.protocol import FleetDelta, RankMetrics, WorkerReport, WorkerUpdate
 
 
 @dataclass(slots=True)
@@ -31,10 +26,11 @@ class _Worker:
     healthy: bool
     health_detail: str
     heartbeat_at: float
-    ranks: dict[int, _Rank] = field(default_factory=dict)
+    ranks: dict[int, tuple[RankMetrics, float]] = field(default_factory=dict)  # rank → (values, received at)
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. managed-process status
     state: WorkerState = WorkerState.IDLE
     version: int = 0
+    metrics_at: float | None = None  # newest rank's receive time (registry clock)
 
 
 class FleetRegistry:
@@ -46,61 +42,54 @@ class FleetRegistry:
         self.epoch = uuid.uuid4().hex[:12]  # a new registry (aggregator restart) = a new epoch
         self.version = 0
         self._workers: dict[str, _Worker] = {}
-        self._removed_at: dict[str, int] = {}
         self._in_flight: dict[str, tuple[float, dict[str, int]]] = {}  # router replica → counts
         self._next_due = float("inf")  # earliest moment a worker's state can change by time alone
+        self._dirty: set[str] = set()  # changed since the last take_delta()
+        self._published = 0  # version of the last take_delta()
+        self._members_at = 0  # version of the last membership change
 
     # --- writes -------------------------------------------------------------------------------
 
-    def report(self, batch: dict[str, Any]) -> bool:
-        """Upsert one worker actor's report (registration, liveness and latest ranks in one).
-
-        `batch`: name, url, page_size, incarnation, healthy, health_detail, extra,
-        ranks: {rank: {**8 fields, "age_s": float, "seq": int}}.
-        """
+    def report(self, r: WorkerReport) -> bool:
+        """Upsert one worker actor's report (registration, liveness and latest ranks in one)."""
         now = self.clock()
-        name = batch["name"]
-        w = self._workers.get(name)
+        w = self._workers.get(r.name)
         changed = False
-        if w is None or w.incarnation != batch["incarnation"]:
-            w = _Worker(
-                name=name,
-                url=batch["url"],
-                page_size=int(batch.get("page_size", 1)),
-                incarnation=batch["incarnation"],
-                healthy=bool(batch["healthy"]),
-                health_detail=str(batch.get("health_detail", "")),
-                heartbeat_at=now,
-            )
-            self._workers[name] = w
-            self._removed_at.pop(name, None)
+        if w is None or w.incarnation != r.incarnation:
+            if w is None:
+                self._members_at = self.version + 1
+            w = _Worker(name=r.name, url=r.url, page_size=r.page_size, incarnation=r.incarnation,
+                        healthy=r.healthy, health_detail=r.health_detail, heartbeat_at=now)
+            self._workers[r.name] = w
             changed = True
         w.heartbeat_at = now
-        for attr in ("url", "page_size", "healthy", "health_detail", "extra"):
-            if attr in batch and getattr(w, attr) != batch[attr]:
-                setattr(w, attr, batch[attr])
-                changed = True
-        for rank_key, r in (batch.get("ranks") or {}).items():
-            rank = int(rank_key)
-            old = w.ranks.get(rank)
-            if old is None or old.seq != r["seq"]:
-                w.ranks[rank] = _Rank(
-                    values={f: r[f] for f in KV_METRICS_FIELDS},
-                    received_at=now - max(0.0, float(r.get("age_s", 0.0))),
-                    seq=int(r["seq"]),
-                )
+        if w.url != r.url or w.page_size != r.page_size or w.healthy != r.healthy \
+                or w.health_detail != r.health_detail or w.extra != r.extra:
+            w.url, w.page_size, w.healthy, w.health_detail = r.url, r.page_size, r.healthy, r.health_detail
+            w.extra = r.extra
+            changed = True
+        for m in r.ranks:
+            old = w.ranks.get(m.data_parallel_rank)
+            if old is None or old[0].seq != m.seq:
+                at = now - m.age_s
+                w.ranks[m.data_parallel_rank] = (m, at)
+                if w.metrics_at is None or at > w.metrics_at:
+                    w.metrics_at = at
                 changed = True
         changed |= self._rederive(w, now)
         if changed:
             self._bump(w)
-        self._next_due = min(self._next_due, self._due(w, now))
+        due = self._due(w, now)
+        if due < self._next_due:
+            self._next_due = due
         return changed
 
     def remove(self, name: str) -> bool:
         if self._workers.pop(name, None) is None:
             return False
         self.version += 1
-        self._removed_at[name] = self.version
+        self._members_at = self.version
+        self._dirty.discard(name)
         return True
 
     def report_in_flight(self, replica: str, counts: dict[str, int]) -> bool:
@@ -139,55 +128,54 @@ class FleetRegistry:
 
     # --- reads --------------------------------------------------------------------------------
 
-    def delta(self, since_version: int, epoch: str | None) -> dict[str, Any]:
-        """Workers changed after `since_version` (all of them if `epoch` is not ours)."""
+    def snapshot(self) -> FleetDelta:
+        """The whole fleet now, for a follower that starts or must resync."""
         now = self.clock()
-        full = epoch != self.epoch or since_version <= 0
-        workers = [
-            self._public(w, now)
-            for w in self._workers.values()
-            if full or w.version > since_version
-        ]
-        return {
-            "epoch": self.epoch,
-            "version": self.version,
-            "full": full,
-            "names": list(self._workers),
-            "workers": workers,
-        }
+        return FleetDelta(epoch=self.epoch, version=self.version, prev_version=0, full=True,
+                          workers=[self._public(w, now) for w in self._workers.values()], names=list(self._workers))
+
+    def take_delta(self) -> FleetDelta | None:
+        """Workers changed since the previous call (None if nothing did): what the publisher sends."""
+        if self.version == self._published:
+            return None
+        now = self.clock()
+        workers = self._workers
+        out = [self._public(workers[n], now) for n in self._dirty if n in workers]
+        names = list(workers) if self._members_at > self._published else None
+        delta = FleetDelta(epoch=self.epoch, version=self.version, prev_version=self._published, full=False,
+                           workers=out, names=names)
+        self._published = self.version
+        self._dirty.clear()
+        return delta
+
+    def keepalive(self) -> FleetDelta:
+        """An empty delta at the last published version: followers hear the epoch and that we live."""
+        return FleetDelta(epoch=self.epoch, version=self._published, prev_version=self._published, full=False,
+                          workers=[])
 
     def names(self) -> list[str]:
         return list(self._workers)
 
-    def _public(self, w: _Worker, now: float) -> dict[str, Any]:
-        ranks = [dict(r.values) for _, r in sorted(w.ranks.items())]
-        metrics_age = self._metrics_age(w, now)
-        remote = {
-            replica: counts[w.name] for replica, (_, counts) in self._in_flight.items() if w.name in counts
-        }
-        return {
-            "name": w.name,
-            "url": w.url,
-            "page_size": w.page_size,
-            "state": w.state.value,
-            "healthy": w.healthy,
-            "health_detail": w.health_detail,
-            "metrics_age_s": metrics_age,
-            "heartbeat_age_s": now - w.heartbeat_at,
-            "metrics": sum_ranks(ranks),
-            "ranks": ranks,
-            "in_flight_by_replica": remote,
-            "extra": dict(w.extra),
-            "version": w.version,
-        }
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def _public(self, w: _Worker, now: float) -> WorkerUpdate:
+        remote = {replica: counts[w.name] for replica, (_, counts) in self._in_flight.items() if w.name in counts} \
+            if self._in_flight else {}
+        return WorkerUpdate(
+            name=w.name, url=w.url, page_size=w.page_size, state=w.state.value, healthy=w.healthy,
+            health_detail=w.health_detail,
+            metrics_age_s=None if w.metrics_at is None else max(0.0, now - w.metrics_at),
+            heartbeat_age_s=max(0.0, now - w.heartbeat_at),
+            ranks=[m for _, (m, _) in sorted(w.ranks.items())] if len(w.ranks) > 1 else [m for m, _ in w.ranks.values()],
+            in_flight_by_replica=remote, extra=w.extra, version=w.version,
+        )
 
     # --- internals ----------------------------------------------------------------------------
 
     @staticmethod
     def _metrics_age(w: _Worker, now: float) -> float | None:
-        if not w.ranks:
-            return None
-        return now - max(r.received_at for r in w.ranks.values())
+        return None if w.metrics_at is None else now - w.metrics_at
 
     def _due(self, w: _Worker, now: float) -> float:
         """When `w`'s derived state can next change without a report: its heartbeat reaching
@@ -197,8 +185,8 @@ class FleetRegistry:
         due = w.heartbeat_at + s.down_after_s
         if due < now:
             due = float("inf")
-        if w.ranks:
-            idle = max(r.received_at for r in w.ranks.values()) + s.idle_after_s
+        if w.metrics_at is not None:
+            idle = w.metrics_at + s.idle_after_s
             if now <= idle < due:
                 due = idle
         return due
@@ -218,3 +206,4 @@ class FleetRegistry:
     def _bump(self, w: _Worker) -> None:
         self.version += 1
         w.version = self.version
+        self._dirty.add(w.name)

@@ -16,7 +16,6 @@ import httpx
 import ray
 import zmq
 import zmq.asyncio
-from ray.exceptions import RayActorError, RaySystemError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.aggregator import get_or_create_aggregator
@@ -26,18 +25,14 @@ from actors.kv_events import KvEventError, SeqTracker, decode_kv_event_frame, is
 from actors.kv_handshake import KvEventsPlan, SilenceWatch, plan_subscription, rank_endpoint, shows_prefill
 from actors.kv_log import KvLog
 from actors.launcher import LaunchError, ManagedProcess
+from actors.link import AggregatorLink
 from actors.models import Settings
+from actors.protocol import RankMetrics, WorkerReport
 
 logger = logging.getLogger("kvroute.worker")
 
 _DRAIN_BATCH = 4096  # frames handled per wake-up before yielding to other tasks
 _HARD_MSG_LIMIT_FACTOR = 16  # ZMQ drops peers sending above this × max_frame_bytes (memory bound)
-
-try:  # Ray ≥ 2.x distinguishes temporary unavailability; older names fall back to RayActorError
-    from ray.exceptions import ActorUnavailableError
-except ImportError:  # pragma: no cover
-    ActorUnavailableError = RayActorError  # type: ignore[misc,assignment]
-
 
 class EndpointError(RuntimeError):
     """The worker's metrics endpoint cannot be bound (busy, bad path, no permission)."""
@@ -106,17 +101,11 @@ class WorkerActor:
         self._health_timeouts = 0
         self._stopping = False
         self._wake = asyncio.Event()
-        self._slot = asyncio.Event()
-        self._pending = 0
-        self._agg: Any = None
-        self._agg_retry_at = 0.0
-        self._agg_backoff = self.settings.reconnect_backoff_s
-        self._agg_epoch: str | None = None
-        self.pushes = 0
-        self.push_failures = 0
-        self.coalesced = 0
-        self.last_push_latency_ms: float | None = None
         self._ctx = zmq.asyncio.Context()
+        # reports go to the aggregator over ZeroMQ (Ray only finds it): no Ray call per push
+        self._link = AggregatorLink(self._resolve_aggregator, ctx=self._ctx, hwm=self.settings.max_pending_pushes,
+                                    backoff_s=self.settings.reconnect_backoff_s,
+                                    backoff_max_s=self.settings.reconnect_backoff_max_s)
         self._sock = bind_pull(self._ctx, self.name, self.endpoint, self.settings.max_frame_bytes)
         self.kv_log: KvLog | None = None
         self._kv_changed = asyncio.Event()
@@ -243,14 +232,12 @@ class WorkerActor:
         return {
             "name": self.name,
             **self.book.stats.as_dict(),
-            "pushes": self.pushes,
-            "push_failures": self.push_failures,
-            "pushes_coalesced": self.coalesced,
-            "pending_pushes": self._pending,
-            "last_push_latency_ms": self.last_push_latency_ms,
+            "pushes": self._link.sent,
+            "pushes_dropped": self._link.dropped,  # the aggregator was away or slow; newer state went instead
+            "aggregator_connects": self._link.reconnects,
             "healthy": self.healthy,
             "health_detail": self.health_detail,
-            "aggregator_epoch": self._agg_epoch,
+            "aggregator_epoch": self._link.epoch,
             "last_refusal": self.book.last_error,
             "latest": {r: m.model_dump() for r, m in self.book.latest().items()},
             "kv_events": None if self.kv_log is None else {
@@ -294,11 +281,12 @@ class WorkerActor:
                 os.unlink(path)
             except OSError:
                 pass
-        if deregister and self._agg is not None:
+        if deregister and self._link.handle is not None:
             try:
-                await asyncio.wait_for(self._agg.remove.remote(self.name), timeout=0.5)
+                await asyncio.wait_for(self._link.handle.remove.remote(self.name), timeout=0.5)
             except Exception:  # best effort: the aggregator may be gone already
                 pass
+        self._link.close()
         await self._http.aclose()
         self._ctx.term()
         logger.info("worker %s: stopped", self.name)
@@ -411,17 +399,11 @@ class WorkerActor:
 
     # --- push ---------------------------------------------------------------------------------
 
-    def _batch(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "url": self.url,
-            "page_size": self.spec.page_size,
-            "incarnation": self.incarnation,
-            "healthy": self.healthy,
-            "health_detail": self.health_detail,
-            "extra": self._extra(),
-            "ranks": self.book.ranks_report(self.spec.page_size),
-        }
+    def _report(self) -> WorkerReport:
+        page = self.spec.page_size
+        ranks = [RankMetrics(**d) for d in self.book.ranks_report(page).values()]
+        return WorkerReport(name=self.name, url=self.url or "", page_size=page, incarnation=self.incarnation,
+                            healthy=self.healthy, health_detail=self.health_detail, ranks=ranks, extra=self._extra())
 
     def _extra(self) -> dict[str, Any]:
         extra: dict[str, Any] = self.proc.status.as_dict() if self.proc else {}
@@ -431,6 +413,9 @@ class WorkerActor:
         return extra
 
     async def _push_loop(self) -> None:
+        """The newest state at most every `push_interval_s` when something changed, else every
+        `heartbeat_s`; a push never waits on the aggregator (a frame it cannot queue is dropped
+        and the next, newer report goes instead)."""
         s = self.settings
         last = 0.0
         while True:
@@ -444,72 +429,21 @@ class WorkerActor:
                 gap = s.push_interval_s - (time.monotonic() - last)
                 if gap > 0:
                     await asyncio.sleep(gap)
-                if self._pending >= s.max_pending_pushes:
-                    # the aggregator is slow: keep only the newest state, send it when a slot frees
-                    self.coalesced += 1
-                    self._slot.clear()
-                    try:
-                        await asyncio.wait_for(self._slot.wait(), timeout=s.heartbeat_s)
-                    except asyncio.TimeoutError:
-                        pass
+                if not await self._link.ensure():
+                    await asyncio.sleep(min(s.reconnect_backoff_s, s.heartbeat_s))
                     continue
                 self._wake.clear()
-                if await self._send(self._batch()):
-                    last = time.monotonic()
-                else:
-                    await asyncio.sleep(min(self._agg_backoff, s.heartbeat_s))
+                if not self._link.push_reports([self._report()]):
+                    self._wake.set()  # not queued: send the newest state again after the gap
+                last = time.monotonic()
             except asyncio.CancelledError:
                 raise
             except Exception:
                 logger.exception("worker %s: push loop error", self.name)
                 await asyncio.sleep(s.push_interval_s)
 
-    async def _aggregator(self) -> Any:
-        if self._agg is not None:
-            return self._agg
-        now = time.monotonic()
-        if now < self._agg_retry_at:
-            return None
-        try:
-            self._agg = await asyncio.to_thread(get_or_create_aggregator, self.settings)
-            self._agg_backoff = self.settings.reconnect_backoff_s
-        except Exception as exc:
-            self._agg_retry_at = now + self._agg_backoff
-            self._agg_backoff = min(self._agg_backoff * 2, self.settings.reconnect_backoff_max_s)
-            logger.warning("worker %s: aggregator unreachable (%s); retrying", self.name, exc)
-        return self._agg
-
-    async def _send(self, batch: dict[str, Any]) -> bool:
-        agg = await self._aggregator()
-        if agg is None:
-            return False
-        ref = agg.report.remote(batch)
-        self._pending += 1
-        self.pushes += 1
-        asyncio.get_running_loop().create_task(self._settle(agg, ref, time.perf_counter()))
-        return True
-
-    async def _settle(self, agg: Any, ref: Any, t0: float) -> None:
-        try:
-            epoch = await ref
-            self.last_push_latency_ms = (time.perf_counter() - t0) * 1000
-            if self._agg_epoch is not None and epoch != self._agg_epoch:
-                logger.info("worker %s: aggregator restarted (epoch %s); re-registered", self.name, epoch)
-            self._agg_epoch = epoch
-        except (RayActorError, ActorUnavailableError, RaySystemError) as exc:
-            self.push_failures += 1
-            self._wake.set()  # resend the newest state once it is reachable again
-            if self._agg is agg:
-                self._agg = None
-                self._agg_retry_at = time.monotonic() + self._agg_backoff
-                self._agg_backoff = min(self._agg_backoff * 2, self.settings.reconnect_backoff_max_s)
-            logger.warning("worker %s: push failed (%s); re-resolving aggregator", self.name, type(exc).__name__)
-        except Exception:
-            self.push_failures += 1
-            logger.exception("worker %s: push failed", self.name)
-        finally:
-            self._pending -= 1
-            self._slot.set()
+    async def _resolve_aggregator(self) -> Any:
+        return await asyncio.to_thread(get_or_create_aggregator, self.settings)
 
     # --- liveness -----------------------------------------------------------------------------
 

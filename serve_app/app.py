@@ -17,6 +17,7 @@ from ray import serve
 
 from actors.aggregator import get_or_create_aggregator
 from actors.fleet import FleetError, parse_fleet
+from actors.link import AggregatorLink
 from actors.worker_actor import kill_worker_actors, start_worker_actor
 from actors.models import Settings
 from serve_app.breaker import BreakerConfig, Breakers
@@ -77,6 +78,7 @@ class KvRouter:
             poll_timeout_s=self.settings.snapshot_poll_timeout_s,
             backoff_s=self.settings.reconnect_backoff_s,
             backoff_max_s=self.settings.reconnect_backoff_max_s,
+            silence_s=self.settings.follower_silence_s,
         )
         self.core = RouterCore(self.config, self.follower, self.replica_id)
         self.upstream = UpstreamClient(self.config.upstream_connect_timeout_s, self.config.upstream_read_timeout_s)
@@ -108,10 +110,12 @@ class KvRouter:
         return await asyncio.to_thread(get_or_create_aggregator, self.settings)
 
     async def _share_in_flight(self) -> None:
-        """Batched, like the metrics: this replica's in-flight counts reach the other replicas."""
+        """Batched, like the metrics: this replica's in-flight counts reach the other replicas
+        (pushed over the aggregator's ZeroMQ ingest, as worker reports are; no Ray call per share)."""
         last: dict[str, int] | None = None
         last_sent = 0.0
-        agg = None  # resolved once, again only after a failure (get-or-create is a GCS round trip)
+        link = AggregatorLink(self._resolve_aggregator, hwm=2, backoff_s=self.settings.reconnect_backoff_s,
+                              backoff_max_s=self.settings.reconnect_backoff_max_s)
         while True:
             try:
                 await asyncio.sleep(self.settings.push_interval_s * 5)
@@ -119,15 +123,13 @@ class KvRouter:
                 counts = self.core.ledger.export()
                 now = time.monotonic()
                 if counts != last or now - last_sent > self.settings.heartbeat_s:
-                    if agg is None:
-                        agg = await self._resolve_aggregator()
-                    await agg.report_in_flight.remote(self.replica_id, counts)
-                    last, last_sent = counts, now
+                    if await link.ensure() and link.push_in_flight(self.replica_id, counts):
+                        last, last_sent = counts, now
             except asyncio.CancelledError:
+                link.close()
                 raise
             except Exception as exc:  # aggregator away: counts are resent when it is back
                 logger.debug("in-flight share failed: %s", exc)
-                agg = None
                 await asyncio.sleep(self.settings.reconnect_backoff_max_s)
 
     # --- guards -------------------------------------------------------------------------------

@@ -328,10 +328,13 @@ def _stats(actor, timeout: float = 10) -> dict[str, Any]:
 def _agg_metrics(agg, name: str) -> dict[str, Any] | None:
     import ray
 
-    snap = ray.get(agg.snapshot.remote(0, None, 0.0), timeout=10)
-    for w in snap["workers"]:
-        if w["name"] == name:
-            return w["metrics"]
+    from actors.models import sum_ranks
+    from actors.protocol import decode_delta
+
+    snap = decode_delta(ray.get(agg.snapshot.remote(), timeout=10))
+    for w in snap.workers:
+        if w.name == name:
+            return sum_ranks([r.values() for r in w.ranks])
     return None
 
 

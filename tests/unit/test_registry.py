@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from actors.models import Settings, WorkerState, derive_state, sum_ranks, tokens_to_blocks
+from actors.protocol import RankMetrics, WorkerReport, WorkerUpdate
 from actors.registry import FleetRegistry
 
 S = Settings()
@@ -19,16 +20,22 @@ class Clock:
 
 
 def rank(seq, *, active=2, waiting=0, kv=100, total=1000, rank=0, age=0.0):
-    return {
-        "request_active_slots": active, "request_total_slots": 8, "kv_active_blocks": kv,
-        "kv_total_blocks": total, "num_requests_waiting": waiting, "gpu_cache_usage_perc": kv / total,
-        "gpu_prefix_cache_hit_rate": 0.0, "data_parallel_rank": rank, "age_s": age, "seq": seq,
-    }
+    return RankMetrics(request_active_slots=active, request_total_slots=8, kv_active_blocks=kv, kv_total_blocks=total,
+                       num_requests_waiting=waiting, gpu_cache_usage_perc=kv / total, gpu_prefix_cache_hit_rate=0.0,
+                       data_parallel_rank=rank, age_s=age, seq=seq)
 
 
 def batch(name="w1", *, healthy=True, ranks=None, inc="a"):
-    return {"name": name, "url": "http://127.0.0.1:1", "page_size": 16, "incarnation": inc,
-            "healthy": healthy, "health_detail": "ok", "extra": {}, "ranks": ranks or {}}
+    return WorkerReport(name=name, url="http://127.0.0.1:1", page_size=16, incarnation=inc, healthy=healthy,
+                        health_detail="ok", ranks=list((ranks or {}).values()))
+
+
+def workers(reg) -> list[WorkerUpdate]:
+    return reg.snapshot().workers
+
+
+def metrics(w: WorkerUpdate):
+    return sum_ranks([r.values() for r in w.ranks])
 
 
 def test_state_is_down_when_health_fails_or_heartbeat_is_old_and_never_from_metric_age():
@@ -50,15 +57,15 @@ def test_registration_metrics_and_silence_walk_through_live_idle_down():
     clock = Clock()
     reg = FleetRegistry(S, clock=clock)
     assert reg.report(batch())
-    assert reg.delta(0, None)["workers"][0]["state"] == "idle"  # healthy, never reported
+    assert workers(reg)[0].state == "idle"  # healthy, never reported
     assert reg.report(batch(ranks={0: rank(1)}))
-    assert reg.delta(0, None)["workers"][0]["state"] == "live"
+    assert workers(reg)[0].state == "live"
     clock.t += S.idle_after_s + 0.01
     reg.report(batch(ranks={0: rank(1)}))  # heartbeat with the same (old) metrics
-    assert reg.delta(0, None)["workers"][0]["state"] == "idle"
+    assert workers(reg)[0].state == "idle"
     clock.t += S.down_after_s + 0.01  # heartbeats stop
     assert reg.tick()
-    assert reg.delta(0, None)["workers"][0]["state"] == "down"
+    assert workers(reg)[0].state == "down"
 
 
 def test_unchanged_heartbeat_does_not_bump_the_version():
@@ -71,31 +78,46 @@ def test_unchanged_heartbeat_does_not_bump_the_version():
     assert reg.version == v
 
 
-def test_delta_returns_only_changed_workers_and_all_names():
+def test_delta_carries_only_changed_workers_and_names_only_when_membership_changed():
     reg = FleetRegistry(S, clock=Clock())
     reg.report(batch("a", ranks={0: rank(1)}))
     reg.report(batch("b", ranks={0: rank(1)}))
-    v = reg.version
+    first = reg.take_delta()
+    assert sorted(w.name for w in first.workers) == ["a", "b"] and sorted(first.names) == ["a", "b"]
+    assert reg.take_delta() is None  # nothing changed since
     reg.report(batch("b", ranks={0: rank(2, active=5)}))
-    d = reg.delta(v, reg.epoch)
-    assert not d["full"]
-    assert [w["name"] for w in d["workers"]] == ["b"]
-    assert d["workers"][0]["metrics"]["request_active_slots"] == 5
-    assert sorted(d["names"]) == ["a", "b"]
+    reg.report(batch("b", ranks={0: rank(3, active=6)}))  # coalesced: one entry, the newest
+    d = reg.take_delta()
+    assert not d.full and d.prev_version == first.version and d.version == reg.version
+    assert [w.name for w in d.workers] == ["b"]
+    assert metrics(d.workers[0])["request_active_slots"] == 6
+    assert d.names is None  # membership unchanged: no name list
 
 
-def test_a_foreign_epoch_gets_a_full_snapshot():
+def test_snapshot_is_full_and_consistent_with_the_next_delta():
     reg = FleetRegistry(S, clock=Clock())
     reg.report(batch("a"))
-    d = reg.delta(reg.version, "some-old-epoch")
-    assert d["full"] and [w["name"] for w in d["workers"]] == ["a"]
+    reg.take_delta()
+    reg.report(batch("b"))
+    snap = reg.snapshot()
+    assert snap.full and sorted(snap.names) == ["a", "b"] and snap.version == reg.version
+    d = reg.take_delta()  # a follower at snap.version may apply it: prev_version <= its version
+    assert d.prev_version <= snap.version <= d.version
+
+
+def test_keepalive_is_empty_at_the_last_published_version():
+    reg = FleetRegistry(S, clock=Clock())
+    reg.report(batch("a"))
+    d = reg.take_delta()
+    k = reg.keepalive()
+    assert k.workers == [] and k.version == k.prev_version == d.version and k.epoch == reg.epoch
 
 
 def test_health_failure_is_down_at_once():
     reg = FleetRegistry(S, clock=Clock())
     reg.report(batch(ranks={0: rank(1)}))
     assert reg.report(batch(healthy=False, ranks={0: rank(1)}))
-    assert reg.delta(0, None)["workers"][0]["state"] == "down"
+    assert workers(reg)[0].state == "down"
 
 
 def test_metrics_age_comes_from_the_actor_receive_time():
@@ -103,18 +125,18 @@ def test_metrics_age_comes_from_the_actor_receive_time():
     reg = FleetRegistry(S, clock=clock)
     reg.report(batch(ranks={0: rank(1, age=0.25)}))
     clock.t += 0.5
-    assert reg.delta(0, None)["workers"][0]["metrics_age_s"] == pytest.approx(0.75)
+    assert workers(reg)[0].metrics_age_s == pytest.approx(0.75)
 
 
 def test_dp_ranks_are_kept_apart_and_summed():
     reg = FleetRegistry(S, clock=Clock())
     reg.report(batch(ranks={0: rank(1, active=1, kv=100, rank=0), 1: rank(2, active=3, kv=300, rank=1)}))
-    w = reg.delta(0, None)["workers"][0]
-    assert [r["data_parallel_rank"] for r in w["ranks"]] == [0, 1]
-    assert w["metrics"]["request_active_slots"] == 4
-    assert w["metrics"]["kv_active_blocks"] == 400
-    assert w["metrics"]["kv_total_blocks"] == 2000
-    assert w["metrics"]["gpu_cache_usage_perc"] == pytest.approx(0.2)
+    w = workers(reg)[0]
+    assert [r.data_parallel_rank for r in w.ranks] == [0, 1]
+    assert metrics(w)["request_active_slots"] == 4
+    assert metrics(w)["kv_active_blocks"] == 400
+    assert metrics(w)["kv_total_blocks"] == 2000
+    assert metrics(w)["gpu_cache_usage_perc"] == pytest.approx(0.2)
 
 
 def test_sum_of_no_ranks_is_none():
@@ -125,16 +147,17 @@ def test_new_incarnation_replaces_stale_ranks():
     reg = FleetRegistry(S, clock=Clock())
     reg.report(batch(ranks={0: rank(5), 1: rank(6, rank=1)}, inc="old"))
     reg.report(batch(ranks={0: rank(1)}, inc="new"))
-    assert len(reg.delta(0, None)["workers"][0]["ranks"]) == 1
+    assert len(workers(reg)[0].ranks) == 1
 
 
 def test_removed_worker_disappears_from_names():
     reg = FleetRegistry(S, clock=Clock())
     reg.report(batch("a"))
+    reg.take_delta()
     v = reg.version
     assert reg.remove("a")
-    d = reg.delta(v, reg.epoch)
-    assert d["names"] == [] and reg.version > v
+    d = reg.take_delta()
+    assert d.names == [] and d.workers == [] and reg.version > v
     assert not reg.remove("a")
 
 
@@ -143,12 +166,12 @@ def test_router_in_flight_counts_are_shared_and_expire():
     reg = FleetRegistry(S, clock=clock)
     reg.report(batch("a"))
     assert reg.report_in_flight("replica-1", {"a": 4})
-    assert reg.delta(0, None)["workers"][0]["in_flight_by_replica"] == {"replica-1": 4}
+    assert workers(reg)[0].in_flight_by_replica == {"replica-1": 4}
     assert not reg.report_in_flight("replica-1", {"a": 4})
     clock.t += S.down_after_s * 2 + 0.1
     reg.report(batch("a"))
     reg.tick()
-    assert reg.delta(0, None)["workers"][0]["in_flight_by_replica"] == {}
+    assert workers(reg)[0].in_flight_by_replica == {}
 
 
 def test_tick_skips_the_scan_until_a_threshold_is_due_and_still_walks_live_idle_down():
@@ -163,7 +186,7 @@ def test_tick_skips_the_scan_until_a_threshold_is_due_and_still_walks_live_idle_
     assert not reg.tick() and scans == []  # nothing due: no per-worker work
     clock.t += S.idle_after_s  # a's metrics go stale, but heartbeats (down_after_s) went first
     assert reg.tick()
-    states = {w["name"]: w["state"] for w in reg.delta(0, None)["workers"]}
+    states = {w.name: w.state for w in workers(reg)}
     assert states == {"a": "down", "b": "down"}
     scans.clear()
     clock.t += 10
@@ -179,4 +202,4 @@ def test_tick_turns_a_live_worker_idle_exactly_after_idle_after_s():
     assert not reg.tick()
     clock.t += 0.02
     assert reg.tick()
-    assert reg.delta(0, None)["workers"][0]["state"] == "idle"
+    assert workers(reg)[0].state == "idle"

@@ -1,0 +1,179 @@
+"""The messages of the metrics plane, as msgspec Structs: what worker actors and router replicas
+push to the aggregator, and the fleet deltas it publishes to router replicas.
+
+Every frame that crosses a socket is msgpack, encoded and decoded here with msgspec's typed
+decoders: a frame that is not exactly one of these messages (wrong type, unknown field, negative
+count, too large) raises `ProtocolError`, and nothing in a frame is ever executed (no pickle).
+
+Wire forms: Structs are `array_like` (positional arrays: a fleet delta of 100 workers is a few KB,
+not tens), and the ingest messages are tagged so one socket carries both kinds.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Union
+
+import msgspec
+
+from actors.models import KV_METRICS_FIELDS
+
+assert KV_METRICS_FIELDS == (
+    "request_active_slots", "request_total_slots", "kv_active_blocks", "kv_total_blocks", "num_requests_waiting",
+    "gpu_cache_usage_perc", "gpu_prefix_cache_hit_rate", "data_parallel_rank",
+), "RankMetrics and its values() follow SGLang's KvMetrics fields"
+
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+Seconds = Annotated[float, msgspec.Meta(ge=0.0)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+
+MAX_INGEST_FRAME_BYTES = 1 << 20  # a report is ~150 B; a batch of a whole node's workers stays far below
+MAX_DELTA_FRAME_BYTES = 64 << 20  # a full snapshot of 10,000 workers is ~2 MB
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a well-formed message of this protocol (or carries the wrong token)."""
+
+
+class RankMetrics(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """One DP rank's latest SGLang KvMetrics, KV counts in blocks of the worker's page size, with
+    its age when the report left the worker actor and the actor's change sequence number."""
+
+    request_active_slots: Count
+    request_total_slots: Count
+    kv_active_blocks: Count
+    kv_total_blocks: Count
+    num_requests_waiting: Count
+    gpu_cache_usage_perc: Fraction
+    gpu_prefix_cache_hit_rate: Fraction
+    data_parallel_rank: Count
+    age_s: Seconds = 0.0
+    seq: Count = 0
+
+    def values(self) -> dict[str, Any]:
+        """The eight SGLang fields as a dict (what router code and /workers show)."""
+        return {  # spelled out: a follower calls this for every rank of every update (3× the comprehension)
+            "request_active_slots": self.request_active_slots,
+            "request_total_slots": self.request_total_slots,
+            "kv_active_blocks": self.kv_active_blocks,
+            "kv_total_blocks": self.kv_total_blocks,
+            "num_requests_waiting": self.num_requests_waiting,
+            "gpu_cache_usage_perc": self.gpu_cache_usage_perc,
+            "gpu_prefix_cache_hit_rate": self.gpu_prefix_cache_hit_rate,
+            "data_parallel_rank": self.data_parallel_rank,
+        }
+
+
+class WorkerReport(msgspec.Struct, array_like=True, frozen=True):
+    """What a worker actor knows about its worker: registration, liveness and latest ranks.
+    Every report is whole (no deltas), so a restarted aggregator is rebuilt by the next ones."""
+
+    name: Name
+    url: str
+    page_size: Annotated[int, msgspec.Meta(ge=1)]
+    incarnation: str
+    healthy: bool
+    health_detail: str = ""
+    ranks: list[RankMetrics] = []
+    extra: dict[str, Any] = {}  # managed-process status, KV-event subscription (issue 18 names these)
+
+
+class ReportBatch(msgspec.Struct, tag="r", array_like=True, frozen=True):
+    """Reports pushed in one frame (a worker actor sends its own; a relay may send many)."""
+
+    token: str
+    reports: list[WorkerReport]
+
+
+class InFlightShare(msgspec.Struct, tag="f", array_like=True, frozen=True):
+    """A router replica's in-flight requests per worker, shared so replicas do not herd."""
+
+    token: str
+    replica: Name
+    counts: dict[str, Count]
+
+
+Ingest = Union[ReportBatch, InFlightShare]
+
+
+class WorkerUpdate(msgspec.Struct, array_like=True, frozen=True):
+    """One worker as the aggregator sees it now (states derived, ages at publication)."""
+
+    name: str
+    url: str
+    page_size: int
+    state: str  # live | idle | down
+    healthy: bool
+    health_detail: str
+    metrics_age_s: float | None
+    heartbeat_age_s: float
+    ranks: list[RankMetrics]
+    in_flight_by_replica: dict[str, int]
+    extra: dict[str, Any]
+    version: int
+
+
+class FleetDelta(msgspec.Struct, array_like=True, frozen=True):
+    """Workers changed in (`prev_version`, `version`] of registry `epoch`. `names` is the whole
+    membership, sent only when it changed in that range (and in every full snapshot). A follower
+    at version v applies a delta iff same epoch and `prev_version <= v < version`; a delta with
+    `prev_version > v` means it missed one and must resync from a full snapshot."""
+
+    epoch: str
+    version: int
+    prev_version: int
+    full: bool
+    workers: list[WorkerUpdate]
+    names: list[str] | None = None
+
+
+class Endpoints(msgspec.Struct, frozen=True):
+    """Where the aggregator listens (handed out through Ray, never guessed): its PULL for
+    reports, its PUB of deltas, and the token every pushed frame must carry."""
+
+    epoch: str
+    ingest: str
+    publish: str
+    token: str
+
+
+_ingest_encoder = msgspec.msgpack.Encoder()
+_ingest_decoder = msgspec.msgpack.Decoder(Ingest)
+_delta_encoder = msgspec.msgpack.Encoder()
+_delta_decoder = msgspec.msgpack.Decoder(FleetDelta)
+
+
+def encode(msg: ReportBatch | InFlightShare | FleetDelta) -> bytes:
+    return _ingest_encoder.encode(msg)
+
+
+def decode_ingest(frame: bytes, max_bytes: int = MAX_INGEST_FRAME_BYTES) -> ReportBatch | InFlightShare:
+    """One pushed frame → its message. Raises ProtocolError for anything else."""
+    if len(frame) > max_bytes:
+        raise ProtocolError(f"frame of {len(frame)} bytes exceeds {max_bytes}")
+    try:
+        msg = _ingest_decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(str(exc)[:200]) from None
+    if isinstance(msg, ReportBatch):
+        for r in msg.reports:
+            for rank in r.ranks:
+                if not (math.isfinite(rank.gpu_cache_usage_perc) and math.isfinite(rank.gpu_prefix_cache_hit_rate)
+                        and math.isfinite(rank.age_s)):
+                    raise ProtocolError(f"worker {r.name}: non-finite value")
+    return msg
+
+
+def encode_delta(delta: FleetDelta) -> bytes:
+    return _delta_encoder.encode(delta)
+
+
+def decode_delta(frame: bytes) -> FleetDelta:
+    """A published or snapshot frame → FleetDelta. Raises ProtocolError for anything else."""
+    if len(frame) > MAX_DELTA_FRAME_BYTES:
+        raise ProtocolError(f"delta of {len(frame)} bytes exceeds {MAX_DELTA_FRAME_BYTES}")
+    try:
+        return _delta_decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(str(exc)[:200]) from None

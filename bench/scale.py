@@ -1,0 +1,341 @@
+"""Metrics-plane scale benchmark: N emulated workers → the real aggregator → R real followers.
+
+No engines: a few emulator actors each play many workers, every emulated worker sending what a
+`WorkerActor` sends (its report: registration, liveness and latest ranks) through the same code path
+and transport the real worker actors use, at `hz` reports per second (2 Hz = heartbeats only, an
+idle fleet; 10 Hz = a busy one). R follower hosts (Ray actors) each run a real `FleetFollower`
+against the real aggregator, as a router replica does. Per cell (N, Hz) it prints, for R = 1 and
+then R = 4 (3 more followers started cold into the running fleet):
+
+- reports/s offered (emulated sends due) and absorbed (counted by the aggregator);
+- aggregator CPU (% of one core, and µs per absorbed report);
+- follower CPU (% of one core, mean over followers; an idle Ray actor's floor measured beside it)
+  and deltas/s applied per follower;
+- freshness p50/p99: emulator send → the value visible in a follower's `workers` (the send time
+  rides in `num_requests_waiting` as µs since the run's base time; one wall clock, one machine);
+- bytes per delta as the follower receives it;
+- cold follower: `FleetFollower.start()` → it holds all N workers.
+
+    python -m bench.scale [--workers 100 1000] [--hz 2 10] [--seconds 5] [--emulators 2]
+
+A benchmark, not a test: figures vary with the machine's other load (the load average is printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import psutil  # noqa: E402
+import ray  # noqa: E402
+
+VALUES = dict(request_active_slots=12, request_total_slots=64, kv_active_blocks=1250, kv_total_blocks=10_000,
+              num_requests_waiting=0, gpu_cache_usage_perc=0.125, gpu_prefix_cache_hit_rate=0.5,
+              data_parallel_rank=0)
+
+
+@ray.remote(num_cpus=0)
+class Emulator:
+    """Plays `names` workers, each reporting at `hz` with its phase spread over the period."""
+
+    def __init__(self, names: list[str], hz: float, base: float, settings: dict[str, Any]) -> None:
+        import uuid
+
+        self.names, self.hz, self.base = names, hz, base
+        self.settings = settings
+        self.incarnation = {n: uuid.uuid4().hex[:12] for n in names}
+        self.seq = {n: 0 for n in names}
+        self.offered = 0
+        self.sent = 0
+        self.coalesced = 0
+        self._task: asyncio.Task | None = None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    async def start(self) -> None:
+        self._sender = await _sender(self.settings)
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def counters(self) -> dict[str, int]:
+        return {"offered": self.offered, "sent": self.sent, "coalesced": self.coalesced}
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        await self._sender.close()
+
+    def _report(self, name: str) -> dict[str, Any]:
+        """What `WorkerActor._batch()` builds: one rank, KV counts already in blocks."""
+        self.seq[name] += 1
+        sent_us = int((time.time() - self.base) * 1e6)
+        rank = {**VALUES, "num_requests_waiting": sent_us, "age_s": 0.0, "seq": self.seq[name]}
+        return {"name": name, "url": f"http://127.0.0.1:1/{name}", "page_size": 16,
+                "incarnation": self.incarnation[name], "healthy": True, "health_detail": "ok",
+                "extra": {}, "ranks": {0: rank}}
+
+    async def _run(self) -> None:
+        n = len(self.names)
+        period = 1.0 / self.hz
+        tick = 0.005
+        t0 = time.monotonic()
+        due = [t0 + period * i / n for i in range(n)]
+        i = 0
+        while True:
+            now = time.monotonic()
+            while due[i] <= now:  # the workers whose turn has come, in phase order
+                name = self.names[i]
+                self.offered += 1
+                if self._sender.send(name, self._report(name)):
+                    self.sent += 1
+                else:
+                    self.coalesced += 1
+                due[i] += period
+                i = (i + 1) % n
+            await asyncio.sleep(max(0.0, min(tick, due[i] - time.monotonic())))
+
+
+async def _sender(settings: dict[str, Any]) -> Any:
+    from actors.link import AggregatorLink
+
+    link = AggregatorLink(lambda: asyncio.to_thread(_aggregator, settings), hwm=100_000)
+    while not await link.ensure():
+        await asyncio.sleep(0.1)
+    return _ZmqSender(link)
+
+
+def _aggregator(settings: dict[str, Any]) -> Any:
+    from actors.aggregator import get_or_create_aggregator
+    from actors.models import Settings
+
+    return get_or_create_aggregator(Settings.model_validate(settings))
+
+
+class _ZmqSender:
+    """`WorkerActor._push_loop`'s send: one `ReportBatch` frame per report through an
+    `AggregatorLink` (here one link, one PUSH socket, for all the emulator's workers)."""
+
+    def __init__(self, link: Any) -> None:
+        from actors.protocol import RankMetrics, WorkerReport
+
+        self.link, self.rank_cls, self.report_cls = link, RankMetrics, WorkerReport
+
+    def send(self, name: str, report: dict[str, Any]) -> bool:
+        ranks = [self.rank_cls(**r) for r in report.pop("ranks").values()]
+        return self.link.push_reports([self.report_cls(**report, ranks=ranks)])
+
+    async def close(self) -> None:
+        self.link.close()
+
+
+@ray.remote(num_cpus=0)
+class FollowerHost:
+    """A router replica's follower and nothing else: the real `FleetFollower` on the real aggregator."""
+
+    def __init__(self, base: float, settings: dict[str, Any]) -> None:
+        self.base, self.settings = base, settings
+        self.follower: Any = None
+        self.lat_ms: list[float] = []
+        self.last_sent: dict[str, int] = {}
+        self.started_at = 0.0
+        self.full_at: float | None = None
+        self.expect = 0
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    async def start(self, expect: int) -> None:
+        from actors.models import Settings
+        from serve_app.follower import FleetFollower
+
+        s = Settings.model_validate(self.settings)
+        self.expect = expect
+        self.follower = _follower(FleetFollower, s, self._on_update)
+        self.started_at = time.monotonic()
+        self.follower.start()
+
+    def _on_update(self, changed: list[str]) -> None:
+        workers = self.follower.workers
+        now_us = (time.time() - self.base) * 1e6
+        for name in changed:
+            rec = workers.get(name)
+            if rec is None or not rec.metrics:
+                continue
+            sent = rec.metrics["num_requests_waiting"]
+            if self.last_sent.get(name) != sent:
+                self.last_sent[name] = sent
+                if len(self.lat_ms) < 500_000:
+                    self.lat_ms.append((now_us - sent) / 1e3)
+        if self.full_at is None and len(workers) >= self.expect:
+            self.full_at = time.monotonic()
+
+    def cold_s(self) -> float | None:
+        return None if self.full_at is None else self.full_at - self.started_at
+
+    def take(self) -> dict[str, Any]:
+        """Counters since the last take (latencies and delta sizes are handed over and reset)."""
+        f = self.follower
+        out = {"updates": f.updates if f else 0, "lat_ms": self.lat_ms, "bytes": f.bytes_received if f else 0,
+               "frames": f.frames_received if f else 0, "workers": len(f.workers) if f else 0,
+               "resyncs": f.resyncs if f else 0}
+        self.lat_ms = []
+        return out
+
+    async def stop(self) -> None:
+        if self.follower is not None:
+            await self.follower.stop()
+
+
+def _follower(cls: Any, s: Any, on_update: Any) -> Any:
+    async def resolve() -> Any:
+        return await asyncio.to_thread(_aggregator, s.model_dump())
+
+    return cls(resolve, poll_timeout_s=s.snapshot_poll_timeout_s, backoff_s=s.reconnect_backoff_s,
+               backoff_max_s=s.reconnect_backoff_max_s, silence_s=s.follower_silence_s, on_update=on_update)
+
+
+def _cpu_s(pid: int) -> float:
+    try:
+        t = psutil.Process(pid).cpu_times()
+        return t.user + t.system
+    except psutil.Error:
+        return 0.0
+
+
+def _q(xs: list[float], p: int) -> float:
+    if len(xs) < 2:
+        return float("nan")
+    return statistics.quantiles(xs, n=100)[p - 1]
+
+
+def _wait(pred: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _window(agg: Any, agg_pid: int, emus: list[Any], hosts: list[Any], host_pids: list[int], floor_pid: int,
+            seconds: float) -> dict[str, Any]:
+    """Measure one window of `seconds`: counters and CPU before and after."""
+    for h in hosts:  # drop what accumulated before the window
+        ray.get(h.take.remote())
+    pids = [agg_pid, floor_pid, *host_pids]
+    c0 = {p: _cpu_s(p) for p in pids}
+    r0 = ray.get(agg.stats.remote())["reports"]
+    e0 = ray.get([e.counters.remote() for e in emus])
+    before = [ray.get(h.take.remote()) for h in hosts]
+    t0 = time.monotonic()
+    time.sleep(seconds)
+    dt = time.monotonic() - t0
+    c1 = {p: _cpu_s(p) for p in pids}
+    r1 = ray.get(agg.stats.remote())["reports"]
+    e1 = ray.get([e.counters.remote() for e in emus])
+    took = ray.get([h.take.remote() for h in hosts])
+    offered = sum(b["offered"] - a["offered"] for a, b in zip(e0, e1)) / dt  # sends due (catch-up included)
+    absorbed = (r1 - r0) / dt
+    agg_cpu = (c1[agg_pid] - c0[agg_pid]) / dt
+    fol_cpu = statistics.mean((c1[p] - c0[p]) / dt for p in host_pids)
+    lat = [x for t in took for x in t["lat_ms"]]
+    frames = sum(t["frames"] - b["frames"] for t, b in zip(took, before))
+    nbytes = sum(t["bytes"] - b["bytes"] for t, b in zip(took, before))
+    deltas = statistics.mean((t["updates"] - b["updates"]) / dt for t, b in zip(took, before))
+    return {
+        "offered": offered, "absorbed": absorbed, "resyncs": sum(t["resyncs"] - b["resyncs"] for t, b in zip(took, before)), "agg_cpu": 100 * agg_cpu,
+        "us_per_report": 1e6 * agg_cpu / absorbed if absorbed else float("nan"),
+        "fol_cpu": 100 * fol_cpu, "floor_cpu": 100 * (c1[floor_pid] - c0[floor_pid]) / dt,
+        "deltas_s": deltas, "p50": _q(lat, 50), "p99": _q(lat, 99), "samples": len(lat),
+        "bytes": nbytes / frames if frames else float("nan"),
+    }
+
+
+def run_cell(n: int, hz: float, seconds: float, n_emulators: int, followers: list[int]) -> list[dict[str, Any]]:
+    from actors.aggregator import get_or_create_aggregator, kill_aggregator
+    from actors.models import Settings
+
+    settings = Settings()
+    sd = settings.model_dump()
+    kill_aggregator()
+    agg = get_or_create_aggregator(settings)
+    agg_pid = ray.get(agg.stats.remote())["pid"]
+    base = time.time()
+    names = [f"w{i:05d}" for i in range(n)]
+    emus = [Emulator.remote(names[k::n_emulators], hz, base, sd) for k in range(n_emulators)]
+    ray.get([e.start.remote() for e in emus])
+    _wait(lambda: ray.get(agg.stats.remote())["workers"] >= n, 60 + n / 100, f"{n} workers registered")
+    floor = FollowerHost.remote(base, sd)  # never started: an idle Ray actor's own CPU floor
+    floor_pid = ray.get(floor.pid.remote())
+    hosts: list[Any] = []
+    host_pids: list[int] = []
+    rows = []
+    for r in followers:
+        new = [FollowerHost.remote(base, sd) for _ in range(r - len(hosts))]
+        host_pids += ray.get([h.pid.remote() for h in new])
+        ray.get([h.start.remote(n) for h in new])
+        hosts += new
+        _wait(lambda: all(c is not None for c in ray.get([h.cold_s.remote() for h in new])), 120,
+              "cold followers to hold the fleet")
+        cold = max(ray.get([h.cold_s.remote() for h in new]))
+        time.sleep(1.0)
+        row = _window(agg, agg_pid, emus, hosts, host_pids, floor_pid, seconds)
+        row.update(n=n, hz=hz, r=r, cold_s=cold)
+        rows.append(row)
+        _print_row(row)
+    ray.get([h.stop.remote() for h in hosts])
+    ray.get([e.stop.remote() for e in emus])
+    for a in [*hosts, floor, *emus]:
+        ray.kill(a)
+    kill_aggregator()
+    return rows
+
+
+HEADER = ("| N × Hz | R | offered/s | absorbed/s | aggregator % core | µs/report | follower % core (floor) "
+          "| deltas/s | fresh p50 / p99 ms | bytes/delta | cold follower s |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def _print_row(r: dict[str, Any]) -> None:
+    print(f"| {r['n']:,} × {r['hz']:g} | {r['r']} | {r['offered']:,.0f} | {r['absorbed']:,.0f} | {r['agg_cpu']:.0f} "
+          f"| {r['us_per_report']:.0f} | {r['fol_cpu']:.1f} ({r['floor_cpu']:.1f}) | {r['deltas_s']:.0f} "
+          f"| {r['p50']:.0f} / {r['p99']:.0f} | {r['bytes']:,.0f} | {r['cold_s']:.2f} |", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, nargs="+", default=[100, 1000])
+    ap.add_argument("--hz", type=float, nargs="+", default=[2.0, 10.0])
+    ap.add_argument("--followers", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--seconds", type=float, default=5.0, help="measured window per row")
+    ap.add_argument("--emulators", type=int, default=2)
+    ns = ap.parse_args()
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = "?"
+    print(f"# kvroute metrics-plane scale\n\nmachine: {platform.platform()}, {os.cpu_count()} cores, "
+          f"Python {sys.version.split()[0]}, code {commit}, load average at start {os.getloadavg()[0]:.2f}")
+    print(f"command: python -m bench.scale {' '.join(sys.argv[1:])}\n")
+    print(HEADER, flush=True)
+    ray.init(namespace="kvroute", include_dashboard=False, log_to_driver=False)
+    try:
+        for n in ns.workers:
+            for hz in ns.hz:
+                run_cell(n, hz, ns.seconds, ns.emulators, sorted(ns.followers))
+    finally:
+        ray.shutdown()
+    print(f"\nload average at end {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
