@@ -17,7 +17,13 @@
    engine deployment, each replica bound to one simulated worker and proxying to it. This is Ray
    Serve LLM's shape (OpenAI ingress → handle → engine replicas) with the in-process LLM engine
    replaced by a pass-through to the worker; see `PREFIX_NOTES`.
-5. sglang-router (the real Rust gateway) once per policy: round_robin, cache_aware, power_of_two.
+5. sglang-router (the real Rust gateway) once per policy: round_robin, cache_aware, power_of_two, with
+   the flags its users run it with (`SGLANG_ROUTER_FLAGS`). 0.3.2 never sets TCP_NODELAY on the
+   client connections it accepts, so on a keep-alive connection reused within ~40 ms a streamed
+   reply's first body bytes wait for the client's delayed ACK (a TCP floor of ~40 ms, not routing
+   cost). `sglang-<policy>-nodelay` runs the same binary with the same flags and an LD_PRELOAD shim
+   (`bench/nodelay/`, compiled here at run time) that sets TCP_NODELAY on every socket it accepts:
+   its routing cost apart from the stall.
 
 `direct` needs nothing: the load generator picks the workers round-robin itself (the floor).
 `stop()` tears every piece down: routers, Serve apps, worker actors (their sims), aggregator, Ray.
@@ -64,6 +70,30 @@ STREAM_BATCHING_MS = RouterConfig.model_fields["stream_batching_interval_ms"].de
 STREAM_BATCHING_S = STREAM_BATCHING_MS / 1e3
 KVROUTE_POLICIES = ("round_robin", "power_of_two", "least_loaded", "kv_aware")
 SGLANG_POLICIES = ("round_robin", "cache_aware", "power_of_two")
+# The flags every sglang-router target runs with, besides addresses: the policy and the defaults
+# its docs recommend (named so the report can say exactly what ran), quiet logs. Same for the
+# nodelay variants. power_of_two polls the workers' `GET /get_load` every
+# `--worker-startup-check-interval` seconds (its LoadMonitor's interval), which SGLang 0.5.23 no longer has.
+SGLANG_ROUTER_FLAGS: dict[str, tuple[str, ...]] = {
+    "round_robin": ("--policy", "round_robin"),
+    "cache_aware": ("--policy", "cache_aware", "--cache-threshold", "0.3", "--balance-abs-threshold", "64",
+                    "--balance-rel-threshold", "1.5", "--eviction-interval-secs", "60",
+                    "--max-tree-size", str(2**26)),
+    "power_of_two": ("--policy", "power_of_two", "--worker-startup-check-interval", "30"),
+}
+SGLANG_COMMON_FLAGS = ("--log-level", "warn")
+NODELAY_SUFFIX = "-nodelay"
+SGLANG_STALL_NOTE = (
+    "sglang-router {version} never sets TCP_NODELAY on the client connections it accepts (axum_server's "
+    "default): on a keep-alive connection reused within ~40 ms, a streamed reply's first body bytes wait for "
+    "the client's delayed ACK (~40 ms on Linux) — a TCP floor on TTFT at low concurrency, not routing cost. "
+    "See the `-nodelay` row for its routing cost without the stall."
+)
+SGLANG_NODELAY_NOTE = (
+    "the same sglang-router {version} binary and flags with TCP_NODELAY forced on every accepted socket "
+    "(LD_PRELOAD shim wrapping accept/accept4, bench/nodelay/nodelay.c, built at run time): what users get "
+    "once the peer sets TCP_NODELAY"
+)
 PREFIX_NOTES = (
     "Ray Serve LLM PrefixCacheAffinityRouter (ray 2.60, default kwargs: imbalanced_threshold=inf, "
     "match_rate_threshold=0.1) routing among 4 replicas of a pass-through engine deployment, one "
@@ -199,6 +229,22 @@ class PrefixIngress:
 # ------------------------------------------------------------------ the fleet and every router
 
 
+def sglang_router_argv(policy: str, port: int, urls: tuple[str, ...], prometheus_port: int) -> list[str]:
+    """How a sglang-router target is started (the nodelay variant adds only LD_PRELOAD)."""
+    return [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls,
+            *SGLANG_ROUTER_FLAGS[policy], "--host", "127.0.0.1", "--port", str(port),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port), *SGLANG_COMMON_FLAGS]
+
+
+def _sglang_router_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sglang-router")
+    except PackageNotFoundError:
+        return "?"
+
+
 def free_port() -> int:
     from sim.launch import free_port as fp
 
@@ -321,23 +367,38 @@ class BenchFleet:
             serve.run(PrefixIngress.bind(engine), name="ray-prefix", route_prefix="/ray-prefix", blocking=False)
             targets.append(Target("ray-prefix", (base + "/ray-prefix",), label="Ray Serve PrefixCacheAffinity",
                                   notes=PREFIX_NOTES))
+        version = _sglang_router_version()
         for policy in SGLANG_POLICIES:
-            name = f"sglang-{policy}"
-            if not on(name):
-                continue
-            port = free_port()
-            self._start_sglang_router(name, policy, port, urls)
-            targets.append(Target(name, (f"http://127.0.0.1:{port}",), label=f"sglang-router {policy}"))
+            for nodelay in (False, True):
+                name = f"sglang-{policy}{NODELAY_SUFFIX if nodelay else ''}"
+                if not on(name):
+                    continue
+                port = free_port()
+                self._start_sglang_router(name, policy, port, urls, nodelay=nodelay)
+                flags = " ".join(SGLANG_ROUTER_FLAGS[policy])
+                if nodelay:
+                    label = f"sglang-router {policy}, TCP_NODELAY forced"
+                    notes = SGLANG_NODELAY_NOTE.format(version=version)
+                else:
+                    label = f"sglang-router {policy} (TCP delayed-ACK floor)"
+                    notes = SGLANG_STALL_NOTE.format(version=version)
+                targets.append(Target(name, (f"http://127.0.0.1:{port}",), label=label,
+                                      notes=f"{notes}. Flags: `{flags} {' '.join(SGLANG_COMMON_FLAGS)}`"))
         self._targets = targets
         self._wait_ready(targets)
         return targets
 
-    def _start_sglang_router(self, name: str, policy: str, port: int, urls: tuple[str, ...]) -> None:
-        logf = open(os.path.join(self.tmpdir, f"{name}.log"), "wb")
-        argv = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls, "--policy", policy,
-                "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
-                "--prometheus-port", str(free_port()), "--log-level", "warn"]
+    def _start_sglang_router(self, name: str, policy: str, port: int, urls: tuple[str, ...],
+                             nodelay: bool = False) -> None:
+        argv = sglang_router_argv(policy, port, urls, free_port())
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        if nodelay:
+            from bench.nodelay import shim_path
+
+            env["LD_PRELOAD"] = " ".join(p for p in (str(shim_path()), env.get("LD_PRELOAD", "")) if p)
+        else:
+            env.pop("LD_PRELOAD", None)
+        logf = open(os.path.join(self.tmpdir, f"{name}.log"), "wb")
         self._procs[name] = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=env,
                                              start_new_session=True)
         logf.close()
