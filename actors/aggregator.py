@@ -108,15 +108,14 @@ class Aggregator:
         self._ports = _remembered_ports()
         self._bound: dict[str, tuple[str, str]] = {}
         self._listen("127.0.0.1" if _cluster_is_this_machine(self._ip) else self._ip)
-        self._changed = asyncio.Event()
+        self._pending = False  # the registry changed since the last published delta
         self.reports = 0
         self.shares = 0
         self.refused: Counter = Counter()
         self.published = 0
         self.published_bytes = 0
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._ingest_loop()), loop.create_task(self._publish_loop()),
-                       loop.create_task(self._tick_loop())]
+        self._task = loop.create_task(self._loop())
         logger.info("aggregator up, epoch %s, listening on %s", self._registry.epoch, self._bound)
 
     def _listen(self, host: str) -> tuple[str, str]:
@@ -146,7 +145,7 @@ class Aggregator:
         removed = self._registry.remove(name)
         if removed:
             logger.info("worker %s removed", name)
-            self._changed.set()
+            self._pending = True
         return removed
 
     async def names(self) -> list[str]:
@@ -164,89 +163,77 @@ class Aggregator:
 
     # --- hot path (ZeroMQ) --------------------------------------------------------------------
 
-    async def _ingest_loop(self) -> None:
-        sock = self._pull
+    async def _loop(self) -> None:
+        """One loop for ingest, publication and time-driven states, so the event loop wakes at most
+        once per `publish_interval_s` under load (frames gather in the socket meanwhile) and once per
+        `state_tick_s` when nothing arrives. Each wake-up: drain the PULL, re-derive states when due,
+        publish one delta of every worker changed since the last (or a keep-alive after
+        `heartbeat_s` of quiet)."""
+        s, reg, sock = self.settings, self._registry, self._pull
         raw = zmq.Socket.shadow(sock.underlying)  # sync view of the same socket for cheap drains
-        reg, token = self._registry, self._token.encode()
+        token = self._token.encode()
+        last_pub = last_tick = 0.0
         while True:
             try:
-                await sock.poll(flags=zmq.POLLIN)
-                changed = False
-                for _ in range(_DRAIN_BATCH):
-                    try:
-                        frame = raw.recv(zmq.NOBLOCK, copy=True)
-                    except zmq.Again:
-                        break
-                    if raw.getsockopt(zmq.RCVMORE):
-                        while raw.getsockopt(zmq.RCVMORE):
-                            raw.recv(zmq.NOBLOCK)
-                        self.refused["multipart"] += 1
-                        continue
-                    try:
-                        msg = decode_ingest(frame)
-                    except ProtocolError:
-                        self.refused["malformed"] += 1
-                        continue
-                    if not hmac.compare_digest(msg.token.encode(), token):
-                        self.refused["token"] += 1
-                        continue
-                    if isinstance(msg, InFlightShare):
-                        self.shares += 1
-                        changed |= reg.report_in_flight(msg.replica, msg.counts)
-                        continue
-                    for r in msg.reports:
-                        self.reports += 1
-                        changed |= reg.report(r)
-                if changed:
-                    self._changed.set()
-                # let frames gather: one wake-up per interval instead of one per frame (at 2,000
-                # reports/s the per-wake-up cost of the event loop would dominate)
-                await asyncio.sleep(self.settings.ingest_interval_s)
+                drained = self._drain(raw, reg, token)
+                now = time.monotonic()
+                if now - last_tick >= s.state_tick_s:
+                    self._pending |= reg.tick()
+                    last_tick = now
+                if self._pending and now - last_pub >= s.publish_interval_s:
+                    self._publish(reg.take_delta() or reg.keepalive())
+                    self._pending, last_pub = False, now
+                elif now - last_pub >= s.heartbeat_s:
+                    self._publish(reg.keepalive())
+                    last_pub = now
+                if drained or self._pending:
+                    await asyncio.sleep(s.publish_interval_s)
+                else:  # quiet: sleep until a frame arrives or the next tick is due
+                    await sock.poll(timeout=1000 * s.state_tick_s, flags=zmq.POLLIN)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # the ingest loop must never die
-                logger.exception("ingest loop error")
+            except Exception:  # the loop must never die
+                logger.exception("aggregator loop error")
                 await asyncio.sleep(0.01)
 
-    async def _publish_loop(self) -> None:
-        """At most one delta per `publish_interval_s`, carrying every worker changed since the last
-        one; a keep-alive (empty delta) after `heartbeat_s` of quiet."""
-        s, reg = self.settings, self._registry
-        last = 0.0
-        while True:
+    def _drain(self, raw: zmq.Socket, reg: FleetRegistry, token: bytes) -> int:
+        """Apply every frame waiting (up to a bound); refuse and count anything not ours."""
+        n = 0
+        for n in range(1, _DRAIN_BATCH + 1):
             try:
-                try:
-                    await asyncio.wait_for(self._changed.wait(), timeout=s.heartbeat_s)
-                except asyncio.TimeoutError:
-                    pass
-                gap = s.publish_interval_s - (time.monotonic() - last)
-                if gap > 0:
-                    await asyncio.sleep(gap)
-                self._changed.clear()
-                delta = reg.take_delta() or reg.keepalive()
-                frame = encode_delta(delta)
-                try:
-                    self._pub.send(frame, zmq.NOBLOCK)
-                except zmq.Again:
-                    pass
-                self.published += 1
-                self.published_bytes += len(frame)
-                last = time.monotonic()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                logger.exception("publish loop error")
-                await asyncio.sleep(0.01)
+                frame = raw.recv(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return n - 1
+            if raw.getsockopt(zmq.RCVMORE):
+                while raw.getsockopt(zmq.RCVMORE):
+                    raw.recv(zmq.NOBLOCK)
+                self.refused["multipart"] += 1
+                continue
+            try:
+                msg = decode_ingest(frame)
+            except ProtocolError:
+                self.refused["malformed"] += 1
+                continue
+            if not hmac.compare_digest(msg.token.encode(), token):
+                self.refused["token"] += 1
+                continue
+            if isinstance(msg, InFlightShare):
+                self.shares += 1
+                self._pending |= reg.report_in_flight(msg.replica, msg.counts)
+                continue
+            for r in msg.reports:
+                self.reports += 1
+                self._pending |= reg.report(r)
+        return n
 
-    async def _tick_loop(self) -> None:
-        period = self.settings.state_tick_s
-        while True:
-            await asyncio.sleep(period)
-            try:
-                if self._registry.tick():
-                    self._changed.set()
-            except Exception:  # never let the ticker die silently
-                logger.exception("state tick failed")
+    def _publish(self, delta: Any) -> None:
+        frame = encode_delta(delta)
+        try:
+            self._pub.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+        self.published += 1
+        self.published_bytes += len(frame)
 
 
 def aggregator_options(settings: Settings, resources: dict[str, float] | None = None) -> dict[str, Any]:

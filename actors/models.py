@@ -78,11 +78,9 @@ class Settings(BaseModel):
     idle_after_s: float = Field(3.0, gt=0, description="silence after which a healthy worker is idle")
     down_after_s: float = Field(2.0, gt=0, description="heartbeat age after which a worker is down")
     state_tick_s: float = Field(0.1, gt=0, description="how often time-driven states are re-derived")
-    ingest_interval_s: float = Field(
-        0.005, ge=0, description="the aggregator drains pushed reports at most this often (batches wake-ups)"
-    )
     publish_interval_s: float = Field(
-        0.01, gt=0, description="min gap between two fleet deltas published to router replicas (coalescing window)"
+        0.01, gt=0, description="the aggregator's coalescing window: it drains pushed reports and publishes one "
+        "delta to router replicas at most this often"
     )
     aggregator_resources: dict[str, float] = Field(
         default_factory=dict, description="custom Ray resources the aggregator requests (e.g. kvroute_head)"

@@ -47,10 +47,11 @@ VALUES = dict(request_active_slots=12, request_total_slots=64, kv_active_blocks=
 class Emulator:
     """Plays `names` workers, each reporting at `hz` with its phase spread over the period."""
 
-    def __init__(self, names: list[str], hz: float, base: float, settings: dict[str, Any]) -> None:
+    def __init__(self, names: list[str], hz: float, base: float, settings: dict[str, Any],
+                 heartbeats: bool = False) -> None:
         import uuid
 
-        self.names, self.hz, self.base = names, hz, base
+        self.names, self.hz, self.base, self.heartbeats = names, hz, base, heartbeats
         self.settings = settings
         self.incarnation = {n: uuid.uuid4().hex[:12] for n in names}
         self.seq = {n: 0 for n in names}
@@ -63,7 +64,7 @@ class Emulator:
         return os.getpid()
 
     async def start(self) -> None:
-        self._sender = await _sender(self.settings)
+        self._sender = await _sender(self.settings, hwm=2 * len(self.names))
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     def counters(self) -> dict[str, int]:
@@ -76,9 +77,11 @@ class Emulator:
 
     def _report(self, name: str) -> dict[str, Any]:
         """What `WorkerActor._batch()` builds: one rank, KV counts already in blocks."""
-        self.seq[name] += 1
+        if not (self.heartbeats and self.seq[name]):  # heartbeats only: the first values, unchanged
+            self.seq[name] += 1
         sent_us = int((time.time() - self.base) * 1e6)
-        rank = {**VALUES, "num_requests_waiting": sent_us, "age_s": 0.0, "seq": self.seq[name]}
+        rank = {**VALUES, "num_requests_waiting": self.seq[name] if self.heartbeats else sent_us, "age_s": 0.0,
+                "seq": self.seq[name]}
         return {"name": name, "url": f"http://127.0.0.1:1/{name}", "page_size": 16,
                 "incarnation": self.incarnation[name], "healthy": True, "health_detail": "ok",
                 "extra": {}, "ranks": {0: rank}}
@@ -104,10 +107,12 @@ class Emulator:
             await asyncio.sleep(max(0.0, min(tick, due[i] - time.monotonic())))
 
 
-async def _sender(settings: dict[str, Any]) -> Any:
+async def _sender(settings: dict[str, Any], hwm: int) -> Any:
+    """One link for all the emulator's workers, queueing at most `max_pending_pushes` (2) frames
+    per worker as each worker actor's own link does: a starved emulator drops, it does not buffer."""
     from actors.link import AggregatorLink
 
-    link = AggregatorLink(lambda: asyncio.to_thread(_aggregator, settings), hwm=100_000)
+    link = AggregatorLink(lambda: asyncio.to_thread(_aggregator, settings), hwm=hwm)
     while not await link.ensure():
         await asyncio.sleep(0.1)
     return _ZmqSender(link)
@@ -214,7 +219,7 @@ def _cpu_s(pid: int) -> float:
 def _q(xs: list[float], p: int) -> float:
     if len(xs) < 2:
         return float("nan")
-    return statistics.quantiles(xs, n=100)[p - 1]
+    return statistics.quantiles(xs, n=100)[p - 1]  # (nan without new values: heartbeats-only rows)
 
 
 def _wait(pred: Any, timeout_s: float, what: str) -> None:
@@ -259,7 +264,8 @@ def _window(agg: Any, agg_pid: int, emus: list[Any], hosts: list[Any], host_pids
     }
 
 
-def run_cell(n: int, hz: float, seconds: float, n_emulators: int, followers: list[int]) -> list[dict[str, Any]]:
+def run_cell(n: int, hz: float, seconds: float, n_emulators: int, followers: list[int],
+             heartbeats: bool = False) -> list[dict[str, Any]]:
     from actors.aggregator import get_or_create_aggregator, kill_aggregator
     from actors.models import Settings
 
@@ -270,7 +276,7 @@ def run_cell(n: int, hz: float, seconds: float, n_emulators: int, followers: lis
     agg_pid = ray.get(agg.stats.remote())["pid"]
     base = time.time()
     names = [f"w{i:05d}" for i in range(n)]
-    emus = [Emulator.remote(names[k::n_emulators], hz, base, sd) for k in range(n_emulators)]
+    emus = [Emulator.remote(names[k::n_emulators], hz, base, sd, heartbeats) for k in range(n_emulators)]
     ray.get([e.start.remote() for e in emus])
     _wait(lambda: ray.get(agg.stats.remote())["workers"] >= n, 60 + n / 100, f"{n} workers registered")
     floor = FollowerHost.remote(base, sd)  # never started: an idle Ray actor's own CPU floor
@@ -288,7 +294,7 @@ def run_cell(n: int, hz: float, seconds: float, n_emulators: int, followers: lis
         cold = max(ray.get([h.cold_s.remote() for h in new]))
         time.sleep(1.0)
         row = _window(agg, agg_pid, emus, hosts, host_pids, floor_pid, seconds)
-        row.update(n=n, hz=hz, r=r, cold_s=cold)
+        row.update(n=n, hz=hz, r=r, cold_s=cold, kind="heartbeats" if heartbeats else "new values")
         rows.append(row)
         _print_row(row)
     ray.get([h.stop.remote() for h in hosts])
@@ -299,13 +305,60 @@ def run_cell(n: int, hz: float, seconds: float, n_emulators: int, followers: lis
     return rows
 
 
+@ray.remote(num_cpus=0)
+class BareActor:
+    """An async Ray actor that does nothing: the floor a worker actor's own cost is measured above."""
+
+    async def pid(self) -> int:
+        return os.getpid()
+
+
+def idle_actors(k: int, seconds: float) -> dict[str, float]:
+    """CPU of `k` real, idle `WorkerActor`s (attach mode: a /health server, no engine frames; so
+    heartbeat pushes and /health probes only) beside `k` bare async actors, % of one core each."""
+    import tempfile
+
+    from actors.aggregator import get_or_create_aggregator, kill_aggregator
+    from actors.fleet import parse_fleet
+    from actors.worker_actor import start_worker_actor
+    from tests.integration.helpers import HealthServer
+
+    health = HealthServer()
+    tmp = tempfile.mkdtemp(prefix="kvroute-idle-")
+    fleet = parse_fleet({"workers": [{"name": f"idle{i}", "url": health.url, "metrics_endpoint": f"ipc://{tmp}/i{i}.m"}
+                                     for i in range(k)]})
+    kill_aggregator()
+    agg = get_or_create_aggregator(fleet.settings)
+    agg_pid = ray.get(agg.stats.remote())["pid"]
+    actors = [start_worker_actor(w, fleet.settings, name_prefix="scale-idle-") for w in fleet.workers]
+    ray.get([a.ready.remote() for a in actors])
+    bare = [BareActor.remote() for _ in range(k)]
+    wpids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in actors])
+    bpids = ray.get([b.pid.remote() for b in bare])
+    time.sleep(3.0)
+    c0 = {p: _cpu_s(p) for p in [*wpids, *bpids, agg_pid]}
+    t0 = time.monotonic()
+    time.sleep(seconds)
+    dt = time.monotonic() - t0
+    c1 = {p: _cpu_s(p) for p in c0}
+    pct = {p: 100 * (c1[p] - c0[p]) / dt for p in c0}
+    out = {"worker_actor": statistics.mean(pct[p] for p in wpids), "bare_actor": statistics.mean(pct[p] for p in bpids),
+           "aggregator": pct[agg_pid]}
+    ray.get([a.stop.remote() for a in actors])
+    for a in [*actors, *bare]:
+        ray.kill(a)
+    kill_aggregator()
+    health.close()
+    return out
+
+
 HEADER = ("| N × Hz | R | offered/s | absorbed/s | aggregator % core | µs/report | follower % core (floor) "
           "| deltas/s | fresh p50 / p99 ms | bytes/delta | cold follower s |\n"
           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def _print_row(r: dict[str, Any]) -> None:
-    print(f"| {r['n']:,} × {r['hz']:g} | {r['r']} | {r['offered']:,.0f} | {r['absorbed']:,.0f} | {r['agg_cpu']:.0f} "
+    print(f"| {r['n']:,} × {r['hz']:g}{' hb' if r['kind'] == 'heartbeats' else ''} | {r['r']} | {r['offered']:,.0f} | {r['absorbed']:,.0f} | {r['agg_cpu']:.0f} "
           f"| {r['us_per_report']:.0f} | {r['fol_cpu']:.1f} ({r['floor_cpu']:.1f}) | {r['deltas_s']:.0f} "
           f"| {r['p50']:.0f} / {r['p99']:.0f} | {r['bytes']:,.0f} | {r['cold_s']:.2f} |", flush=True)
 
@@ -317,6 +370,10 @@ def main() -> int:
     ap.add_argument("--followers", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--seconds", type=float, default=5.0, help="measured window per row")
     ap.add_argument("--emulators", type=int, default=2)
+    ap.add_argument("--heartbeats", action="store_true",
+                    help="reports repeat their first values (an idle fleet: liveness only, nothing to publish)")
+    ap.add_argument("--idle-actors", type=int, default=0, metavar="K",
+                    help="instead: K real idle WorkerActors beside K bare async actors, CPU of each over --seconds")
     ns = ap.parse_args()
     try:
         commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -325,12 +382,19 @@ def main() -> int:
     print(f"# kvroute metrics-plane scale\n\nmachine: {platform.platform()}, {os.cpu_count()} cores, "
           f"Python {sys.version.split()[0]}, code {commit}, load average at start {os.getloadavg()[0]:.2f}")
     print(f"command: python -m bench.scale {' '.join(sys.argv[1:])}\n")
-    print(HEADER, flush=True)
     ray.init(namespace="kvroute", include_dashboard=False, log_to_driver=False)
+    if ns.idle_actors:
+        r = idle_actors(ns.idle_actors, ns.seconds)
+        print(f"idle, % of one core each, over {ns.seconds:g} s: WorkerActor {r['worker_actor']:.2f}, bare async actor "
+              f"{r['bare_actor']:.2f} → {r['worker_actor'] - r['bare_actor']:.2f} above the floor; aggregator "
+              f"{r['aggregator']:.2f} for all {ns.idle_actors}")
+        ray.shutdown()
+        return 0
+    print(HEADER, flush=True)
     try:
         for n in ns.workers:
             for hz in ns.hz:
-                run_cell(n, hz, ns.seconds, ns.emulators, sorted(ns.followers))
+                run_cell(n, hz, ns.seconds, ns.emulators, sorted(ns.followers), ns.heartbeats)
     finally:
         ray.shutdown()
     print(f"\nload average at end {os.getloadavg()[0]:.2f}")

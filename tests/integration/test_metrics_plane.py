@@ -1,0 +1,175 @@
+"""The metrics plane's own transport on one local Ray: hostile frames at the aggregator's ingest,
+and an aggregator restart under 1,000 emulated workers with a router replica answering."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import threading
+import time
+import uuid
+
+import httpx
+import msgspec
+import pytest
+import zmq
+
+from tests.integration.helpers import wait_for
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def agg(ray_cluster):
+    import ray
+
+    from actors.aggregator import get_or_create_aggregator
+    from actors.models import Settings
+
+    a = get_or_create_aggregator(Settings())
+    ray.get(a.ping.remote(), timeout=30)
+    return a
+
+
+def _push(address: str) -> zmq.Socket:
+    s = zmq.Context.instance().socket(zmq.PUSH)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(address)
+    return s
+
+
+def test_the_aggregator_binds_a_concrete_loopback_address_never_a_wildcard(agg):
+    import ray
+
+    ep = ray.get(agg.endpoints.remote(), timeout=10)
+    for address in (ep.ingest, ep.publish):
+        assert address.startswith("tcp://127.0.0.1:"), address
+    assert len(ep.token) == 32
+
+
+def test_hostile_frames_at_the_ingest_are_counted_and_never_reach_the_registry(agg, tmp_path):
+    import ray
+
+    from actors.protocol import RankMetrics, ReportBatch, WorkerReport, encode
+
+    ep = ray.get(agg.endpoints.remote(), timeout=10)
+    before = ray.get(agg.stats.remote(), timeout=10)
+    target = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {target}",))
+
+    def report(name: str) -> WorkerReport:
+        return WorkerReport(name=name, url="http://127.0.0.1:9", page_size=16, incarnation="i", healthy=True,
+                            ranks=[RankMetrics(1, 8, 1, 10, 0, 0.1, 0.0, 0, 0.0, 1)])
+
+    sock = _push(ep.ingest)
+    hostile = [pickle.dumps(Evil(), protocol=4), b"\x80\x05garbage", b"", b"\x00" * 70_000,
+               msgspec.msgpack.encode({"name": "intruder-map"}),
+               msgspec.msgpack.encode(["r", ep.token, [["intruder-neg", "u", 16, "i", True, "",
+                                                        [[-1, 1, 1, 1, 1, 0.1, 0.1, 0, 0.0, 1]], {}]]])]
+    for frame in hostile:
+        sock.send(frame)
+    sock.send(encode(ReportBatch(token="not-the-token", reports=[report("intruder-token")])))
+    sock.send_multipart([b"part1", b"part2"])
+    ok = f"honest-{uuid.uuid4().hex[:6]}"
+    sock.send(encode(ReportBatch(token=ep.token, reports=[report(ok)])))
+    wait_for(lambda: ok in ray.get(agg.names.remote(), timeout=10), 10, what="the honest report applied")
+    after = ray.get(agg.stats.remote(), timeout=10)
+    sock.close(linger=0)
+    refused = {k: after["refused"].get(k, 0) - before["refused"].get(k, 0) for k in ("malformed", "token", "multipart")}
+    assert refused == {"malformed": 6, "token": 1, "multipart": 1}
+    assert not [n for n in ray.get(agg.names.remote(), timeout=10) if n.startswith("intruder")]
+    assert not target.exists()
+    assert ray.get(agg.remove.remote(ok), timeout=10)
+
+
+class _Fleet(threading.Thread):
+    """`n` emulated workers reporting every `period_s` through `AggregatorLink`, the worker actors'
+    own transport (one link for all of them, as a per-node relay would)."""
+
+    def __init__(self, n: int, period_s: float = 0.5) -> None:
+        super().__init__(daemon=True)
+        self.n, self.period_s = n, period_s
+        self.names = [f"scale-{i:04d}" for i in range(n)]
+        self.stop = threading.Event()
+        self.sent = 0
+
+    def run(self) -> None:
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
+        from actors.aggregator import get_or_create_aggregator
+        from actors.link import AggregatorLink
+        from actors.protocol import RankMetrics, WorkerReport
+
+        link = AggregatorLink(lambda: asyncio.to_thread(get_or_create_aggregator), ctx=None, hwm=100_000)
+        seq = 0
+        while not self.stop.is_set():
+            seq += 1
+            t0 = time.monotonic()
+            if await link.ensure():
+                for i, name in enumerate(self.names):
+                    r = WorkerReport(name=name, url=f"http://127.0.0.1:9/{name}", page_size=16, incarnation="i",
+                                     healthy=True, ranks=[RankMetrics(i % 8, 8, 10, 100, 0, 0.1, 0.0, 0, 0.0, seq)])
+                    self.sent += link.push_reports([r])
+                    if i % 100 == 99:  # spread over the period, as independent workers are
+                        await asyncio.sleep(self.period_s / (self.n / 100))
+            await asyncio.sleep(max(0.0, self.period_s - (time.monotonic() - t0)))
+        link.close()
+
+
+def test_aggregator_restart_under_1000_emulated_workers_all_back_within_2s_no_failed_route(agg, serve_port):
+    import ray
+    from ray import serve
+
+    from actors.aggregator import AGGREGATOR_NAME, NAMESPACE
+    from serve_app.app import build_app
+
+    n = 1000
+    fleet = _Fleet(n)
+    fleet.start()
+    serve.run(build_app({"manage_fleet": False, "router": {"policy": "least_loaded"}}), name="scale",
+              route_prefix="/scale")
+    base = f"http://127.0.0.1:{serve_port}/scale"
+    answers: list[int] = []
+    stop = threading.Event()
+    try:
+        with httpx.Client(base_url=base, timeout=10) as c:
+            def ours() -> int:
+                return sum(w["name"].startswith("scale-") and w["state"] != "down"
+                           for w in c.get("/workers").json()["workers"])
+
+            wait_for(lambda: ours() == n, 60, interval_s=0.1, what=f"{n} emulated workers in the router's view")
+
+            def hammer():
+                with httpx.Client(base_url=base, timeout=10) as hc:
+                    while not stop.is_set():
+                        answers.append(hc.post("/route", json={"model": "m", "prompt": "hi"}).status_code)
+                        time.sleep(0.01)
+
+            t = threading.Thread(target=hammer)
+            t.start()
+            time.sleep(0.3)
+            handle = ray.get_actor(AGGREGATOR_NAME, namespace=NAMESPACE)
+            old = ray.get(handle.ping.remote(), timeout=10)
+            ray.kill(handle, no_restart=False)
+            new = wait_for(lambda: (e := ray.get(handle.ping.remote(), timeout=5)) != old and e, 30, interval_s=0.01,
+                           what="aggregator restarted by Ray")
+            restarted = time.monotonic()
+            wait_for(lambda: c.get("/workers").json()["epoch"] == new and ours() == n, 10, interval_s=0.05,
+                     what="all emulated workers back in the router's view")
+            back_after = time.monotonic() - restarted
+            time.sleep(0.3)
+            stop.set()
+            t.join()
+    finally:
+        stop.set()
+        fleet.stop.set()
+        fleet.join(timeout=10)
+        serve.delete("scale")
+        ray.get([agg.remove.remote(name) for name in fleet.names], timeout=30)
+    assert answers and all(code == 200 for code in answers), f"non-200 answers: {set(answers)}"
+    assert back_after < 2.0, f"{n} workers back {back_after:.2f} s after the restart"
