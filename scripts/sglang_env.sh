@@ -21,19 +21,20 @@ VENV=$ROOT/$RELEASE
 STAMP=$VENV/.kvroute-ready
 PY=${PYTHON:-python3}
 
-# import-time dependencies, per release (found by importing the modules under test one by one)
+# import-time dependencies (found by importing the modules under test one by one); transformers at
+# the release's own pin (read from its metadata below)
+DEPS="pyzmq msgspec pydantic numpy requests psutil orjson pybase64 packaging pillow starlette fastapi uvicorn
+      tqdm ipython aiohttp dill sentencepiece setproctitle einops"
 case "$RELEASE" in
-  0.5.2[0-9]|0.5.1[4-9])
-    DEPS="pyzmq msgspec pydantic numpy requests psutil orjson pybase64 packaging pillow starlette fastapi
-          uvicorn tqdm ipython aiohttp dill transformers==5.19.0 triton apache-tvm-ffi sentencepiece
-          compressed-tensors gguf partial-json-parser" ;;
+  0.4.*|0.5.[0-9]|0.5.1[0-3])
+    DEPS="$DEPS triton==3.3.1" ;;  # utils imports triton.runtime.cache.default_cache_dir (gone in 3.4)
   *)
-    DEPS="pyzmq msgspec pydantic numpy requests psutil orjson pybase64 packaging pillow starlette fastapi
-          uvicorn tqdm ipython aiohttp dill transformers triton" ;;
+    DEPS="$DEPS triton apache-tvm-ffi compressed-tensors gguf partial-json-parser" ;;
 esac
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$RELEASE $(sha1sum "$0" | cut -c1-12)" ]; then
-  # cached: only kvroute itself may have changed (editable install: nothing to do)
+  # cached: point the editable kvroute at this checkout (a CI clone lives elsewhere than the last one)
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -e . >/dev/null
   echo "$VENV"
   exit 0
 fi
@@ -47,6 +48,10 @@ echo "torch==2.13.0" > "$CONSTRAINTS"
 PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -c "$CONSTRAINTS")
 "${PIP[@]}" torch==2.13.0
 "${PIP[@]}" --no-deps "sglang==$RELEASE"
+TRANSFORMERS=$("$VENV/bin/python" -c 'import importlib.metadata as m, re
+pins = [r for r in (m.requires("sglang") or []) if re.match(r"transformers\s*==", r)]
+print(re.sub(r"\s*;.*", "", pins[0]).replace(" ", "") if pins else "transformers")')
+DEPS="$DEPS $TRANSFORMERS"
 # shellcheck disable=SC2086
 "${PIP[@]}" $DEPS
 "${PIP[@]}" -e ".[test]"
@@ -118,7 +123,9 @@ import importlib, sys
 release = sys.argv[1]
 mods = ["sglang.srt.server_args", "sglang.srt.disaggregation.kv_events"]
 if tuple(int(x) for x in release.split(".")[:3]) >= (0, 5, 14):
-    mods.append("sglang.srt.managers.scheduler_components.kv_events_publisher")
+    # older releases' KvMetrics modules call torch._C._cpu._is_amx_tile_supported at import, which
+    # torch 2.13 (the only CPU torch here) no longer has: only their KV-event side runs
+    mods += ["sglang.srt.managers.scheduler_components.kv_events_publisher", "sglang.srt.mem_cache.radix_cache"]
 for m in mods:
     importlib.import_module(m)
 PY
