@@ -63,7 +63,7 @@ MC_ENGINE = {**ENGINE, "max_total_num_tokens": 50_000, "max_running_requests": 1
 
 # the overhead phase of the quick suite: the floors, kvroute (two policies), each peer once
 OVERHEAD_TARGETS = ["direct", "serve-random", "kvroute-kv_aware", "kvroute-round_robin", "sglang-cache_aware",
-                    "ray-prefix"]
+                    "sglang-cache_aware-nodelay", "ray-prefix"]
 
 SUITES: dict[str, dict[str, Any]] = {
     "quick": {

@@ -87,7 +87,7 @@ SGLANG_STALL_NOTE = (
     "sglang-router {version} never sets TCP_NODELAY on the client connections it accepts (axum_server's "
     "default): on a keep-alive connection reused within ~40 ms, a streamed reply's first body bytes wait for "
     "the client's delayed ACK (~40 ms on Linux) — a TCP floor on TTFT at low concurrency, not routing cost. "
-    "See the `-nodelay` row for its routing cost without the stall."
+    "See the `-nodelay` row for its routing cost without the stall"
 )
 SGLANG_NODELAY_NOTE = (
     "the same sglang-router {version} binary and flags with TCP_NODELAY forced on every accepted socket "
