@@ -16,7 +16,8 @@ then R = 4 (3 more followers started cold into the running fleet):
 - bytes per delta as the follower receives it;
 - cold follower: `FleetFollower.start()` → it holds all N workers.
 
-    python -m bench.scale [--workers 100 1000] [--hz 2 10] [--seconds 5] [--emulators 2]
+    python -m bench.scale [--workers 100 1000] [--hz 2 10] [--seconds 5] [--emulators 2] [--heartbeats]
+    python -m bench.scale --real-actors 4 [--frame-hz 30] [--seconds 20]   # real worker actors' own cost
 
 A benchmark, not a test: figures vary with the machine's other load (the load average is printed).
 """
@@ -34,6 +35,9 @@ import time
 from typing import Any
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Ray starts its workers at nice 15: on a shared machine the metrics plane would measure other
+# people's load (serve_app/ray_env.py runs kvroute's Ray at nice 0 for the same reason)
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 import psutil  # noqa: E402
 import ray  # noqa: E402
@@ -313,39 +317,73 @@ class BareActor:
         return os.getpid()
 
 
-def idle_actors(k: int, seconds: float) -> dict[str, float]:
-    """CPU of `k` real, idle `WorkerActor`s (attach mode: a /health server, no engine frames; so
-    heartbeat pushes and /health probes only) beside `k` bare async actors, % of one core each."""
+def real_actors(k: int, seconds: float, frame_hz: float = 0.0) -> dict[str, float]:
+    """CPU of `k` real `WorkerActor`s (attach mode: a /health server, no engine) beside `k` bare
+    async actors, the aggregator and one follower host, % of one core. `frame_hz` > 0: each actor
+    receives that many SGLang KvMetrics frames per second (0.5.23 pickle form) from this process —
+    SGLang's cadence under load is a frame per prefill batch and every 40 decode steps, tens a
+    second; 0: idle (heartbeat pushes and /health probes only)."""
     import tempfile
+    import threading
+
+    import zmq
 
     from actors.aggregator import get_or_create_aggregator, kill_aggregator
     from actors.fleet import parse_fleet
     from actors.worker_actor import start_worker_actor
+    from sim.sglang_shapes import encode_kv_metrics
     from tests.integration.helpers import HealthServer
 
     health = HealthServer()
-    tmp = tempfile.mkdtemp(prefix="kvroute-idle-")
-    fleet = parse_fleet({"workers": [{"name": f"idle{i}", "url": health.url, "metrics_endpoint": f"ipc://{tmp}/i{i}.m"}
+    tmp = tempfile.mkdtemp(prefix="kvroute-real-")
+    fleet = parse_fleet({"workers": [{"name": f"real{i}", "url": health.url, "metrics_endpoint": f"ipc://{tmp}/r{i}.m"}
                                      for i in range(k)]})
     kill_aggregator()
     agg = get_or_create_aggregator(fleet.settings)
     agg_pid = ray.get(agg.stats.remote())["pid"]
-    actors = [start_worker_actor(w, fleet.settings, name_prefix="scale-idle-") for w in fleet.workers]
+    actors = [start_worker_actor(w, fleet.settings, name_prefix="scale-real-") for w in fleet.workers]
     ray.get([a.ready.remote() for a in actors])
     bare = [BareActor.remote() for _ in range(k)]
+    host = FollowerHost.remote(time.time(), fleet.settings.model_dump())
+    ray.get(host.start.remote(k))
     wpids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in actors])
     bpids = ray.get([b.pid.remote() for b in bare])
+    hpid = ray.get(host.pid.remote())
+    stop = threading.Event()
+
+    def emit() -> None:
+        ctx = zmq.Context.instance()
+        socks = []
+        for w in fleet.workers:
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(w.metrics_endpoint)
+            socks.append(sock)
+        i = 0
+        while not stop.is_set():
+            i += 1
+            for sock in socks:
+                sock.send(encode_kv_metrics("0.5.23", **{**VALUES, "request_active_slots": i % 64}))
+            time.sleep(1.0 / frame_hz)
+        for sock in socks:
+            sock.close(linger=0)
+
+    t = threading.Thread(target=emit, daemon=True)
+    if frame_hz > 0:
+        t.start()
     time.sleep(3.0)
-    c0 = {p: _cpu_s(p) for p in [*wpids, *bpids, agg_pid]}
+    c0 = {p: _cpu_s(p) for p in [*wpids, *bpids, agg_pid, hpid]}
     t0 = time.monotonic()
     time.sleep(seconds)
     dt = time.monotonic() - t0
     c1 = {p: _cpu_s(p) for p in c0}
+    stop.set()
     pct = {p: 100 * (c1[p] - c0[p]) / dt for p in c0}
     out = {"worker_actor": statistics.mean(pct[p] for p in wpids), "bare_actor": statistics.mean(pct[p] for p in bpids),
-           "aggregator": pct[agg_pid]}
+           "aggregator": pct[agg_pid], "follower": pct[hpid]}
+    ray.get(host.stop.remote())
     ray.get([a.stop.remote() for a in actors])
-    for a in [*actors, *bare]:
+    for a in [*actors, *bare, host]:
         ray.kill(a)
     kill_aggregator()
     health.close()
@@ -372,8 +410,11 @@ def main() -> int:
     ap.add_argument("--emulators", type=int, default=2)
     ap.add_argument("--heartbeats", action="store_true",
                     help="reports repeat their first values (an idle fleet: liveness only, nothing to publish)")
-    ap.add_argument("--idle-actors", type=int, default=0, metavar="K",
-                    help="instead: K real idle WorkerActors beside K bare async actors, CPU of each over --seconds")
+    ap.add_argument("--real-actors", type=int, default=0, metavar="K",
+                    help="instead: K real WorkerActors beside K bare async actors, the aggregator and one follower, "
+                         "CPU of each over --seconds")
+    ap.add_argument("--frame-hz", type=float, default=0.0,
+                    help="with --real-actors: SGLang frames per second sent to each actor (0: idle)")
     ns = ap.parse_args()
     try:
         commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -383,11 +424,14 @@ def main() -> int:
           f"Python {sys.version.split()[0]}, code {commit}, load average at start {os.getloadavg()[0]:.2f}")
     print(f"command: python -m bench.scale {' '.join(sys.argv[1:])}\n")
     ray.init(namespace="kvroute", include_dashboard=False, log_to_driver=False)
-    if ns.idle_actors:
-        r = idle_actors(ns.idle_actors, ns.seconds)
-        print(f"idle, % of one core each, over {ns.seconds:g} s: WorkerActor {r['worker_actor']:.2f}, bare async actor "
-              f"{r['bare_actor']:.2f} → {r['worker_actor'] - r['bare_actor']:.2f} above the floor; aggregator "
-              f"{r['aggregator']:.2f} for all {ns.idle_actors}")
+    if ns.real_actors:
+        k, r = ns.real_actors, real_actors(ns.real_actors, ns.seconds, ns.frame_hz)
+        plane = k * r["worker_actor"] + r["aggregator"] + r["follower"]
+        print(f"{k} real WorkerActors, {ns.frame_hz:g} SGLang frames/s each, {ns.seconds:g} s; % of one core: "
+              f"WorkerActor {r['worker_actor']:.2f} each (bare async actor {r['bare_actor']:.2f} → "
+              f"{r['worker_actor'] - r['bare_actor']:.2f} above the floor), aggregator {r['aggregator']:.2f}, "
+              f"follower {r['follower']:.2f}; metrics plane total {plane:.1f} "
+              f"({plane - (k + 2) * r['bare_actor']:.1f} above {k + 2} actor floors)")
         ray.shutdown()
         return 0
     print(HEADER, flush=True)

@@ -173,3 +173,34 @@ def test_aggregator_restart_under_1000_emulated_workers_all_back_within_2s_no_fa
         ray.get([agg.remove.remote(name) for name in fleet.names], timeout=30)
     assert answers and all(code == 200 for code in answers), f"non-200 answers: {set(answers)}"
     assert back_after < 2.0, f"{n} workers back {back_after:.2f} s after the restart"
+
+
+def test_a_worker_whose_actor_dies_is_down_within_2s(agg, tmp_path):
+    import ray
+
+    from actors.fleet import WorkerSpec
+    from actors.models import Settings
+    from actors.protocol import decode_delta
+    from actors.worker_actor import start_worker_actor
+    from tests.integration.helpers import HealthServer
+
+    server = HealthServer()
+    spec = WorkerSpec(name="dies-w", url=server.url, metrics_endpoint=f"ipc://{tmp_path}/dies.metrics")
+    actor = start_worker_actor(spec, Settings(), name_prefix="metrics-plane-")
+
+    def state() -> str | None:
+        snap = decode_delta(ray.get(agg.snapshot.remote(), timeout=10))
+        return next((w.state for w in snap.workers if w.name == spec.name), None)
+
+    try:
+        ray.get(actor.ready.remote(), timeout=30)
+        wait_for(lambda: state() == "idle", 10, what="the worker registered, healthy")
+        ray.kill(actor, no_restart=True)
+        killed = time.monotonic()
+        wait_for(lambda: state() == "down", 10, interval_s=0.02, what="the dead actor's worker down")
+        down_after = time.monotonic() - killed
+    finally:
+        server.close()
+        ray.get(agg.remove.remote(spec.name), timeout=10)
+    # its last heartbeat (every 0.5 s) came before the kill: down_after_s (2 s) + one state tick
+    assert down_after <= 2.0 + Settings().state_tick_s + 0.05, f"down {down_after:.2f} s after the actor died"
