@@ -338,7 +338,7 @@ class KvRouter:
             try:
                 up = await self.upstream.open(d.worker, "POST", d.url + path, content=raw, headers=headers)
             except UpstreamError as exc:
-                self._failed(rid, d.worker, exc.status is None or exc.status >= 500)
+                self._failed(rid, d.worker, exc.counts_for_breaker)
                 tried.add(d.worker)
                 failures.append(str(exc))
                 retry_after = exc.retry_after or retry_after

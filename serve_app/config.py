@@ -29,7 +29,12 @@ class RouterConfig(BaseModel):
         description="tokenize prompts like the engine, for exact prefix mode from KV events: "
         "none | sim | hf:<dir with the model's tokenizer.json and chat template>",
     )
-    upstream_connect_timeout_s: float = Field(2.0, gt=0)
+    upstream_connect_timeout_s: float = Field(
+        10.0, gt=0,
+        description="connecting to a worker (pool wait + TCP connect); a timeout is retried on another worker but "
+        "never opens the worker's breaker (overload or this replica's own loop lag, not a dead worker: liveness "
+        "probes mark dead workers down within seconds)",
+    )
     upstream_read_timeout_s: float = Field(600.0, gt=0, description="per-chunk read timeout upstream")
     stream_batching_interval_ms: float = Field(
         50.0, ge=0, le=1000,

@@ -30,11 +30,22 @@ UPSTREAM_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientError, asyncio
 class UpstreamError(Exception):
     """The worker failed before sending a first byte (connect error, reset, retryable status)."""
 
-    def __init__(self, worker: str, detail: str, status: int | None = None, retry_after: str | None = None):
+    def __init__(self, worker: str, detail: str, status: int | None = None, retry_after: str | None = None,
+                 *, timeout: bool = False):
         super().__init__(f"worker {worker}: {detail}")
         self.worker = worker
         self.status = status
         self.retry_after = retry_after
+        self.timeout = timeout  # no answer in time: overload (the worker's, or this router's loop lag)
+
+    @property
+    def counts_for_breaker(self) -> bool:
+        """Whether this failure is evidence the worker is broken: refused or reset connections and
+        5xx answers are; a timeout is not. Under load a connect or header timeout means an overloaded
+        engine, or a router replica whose own event loop ran late (timers fire after the deadline
+        although the peer answered) — ejecting the worker then moves its load onto the others and
+        overloads them in turn. Dead workers are marked `down` by their liveness probes instead."""
+        return not self.timeout and (self.status is None or self.status >= 500)
 
 
 @dataclass(slots=True)
@@ -130,7 +141,8 @@ class UpstreamClient:
         try:
             resp = await self._client().request(method, url, data=content, headers=headers, allow_redirects=False)
         except asyncio.TimeoutError as exc:
-            raise UpstreamError(worker, f"timed out before the response ({type(exc).__name__})") from None
+            raise UpstreamError(worker, f"timed out before the response ({type(exc).__name__})",
+                                timeout=True) from None
         except aiohttp.ClientError as exc:
             raise UpstreamError(worker, f"{type(exc).__name__}: {str(exc)[:120]}") from None
         if resp.status in RETRYABLE_STATUS:

@@ -16,6 +16,7 @@ from serve_app.config import RouterConfig
 from serve_app.follower import FleetFollower, WorkerRecord
 from serve_app.ledger import Ledger, refresh_fleet
 from serve_app.policies import POLICIES, Decision, RouteRequest, WorkerView, get_policy
+from serve_app.policies.base import NoWorkerAvailable
 from serve_app.policies.fleet import FleetView
 from serve_app.kv_follower import KvFollower
 from serve_app.prefix_index import KvEventIndex, PrefixIndex
@@ -29,7 +30,8 @@ DECISION_LOG_COLUMNS = ("state", "running", "waiting", "kv_active_blocks", "pend
                         "overlap", "metrics_age_s")
 
 
-def base_view(rec: WorkerRecord, hot_blocks: int = 0, reused_blocks: int = 0) -> WorkerView:
+def base_view(rec: WorkerRecord, hot_blocks: int = 0, reused_blocks: int = 0,
+              live_blocks: float | None = None) -> WorkerView:
     """A worker as its last report shows it, with the prefix index's hot (and of those, reused)
     blocks (the ledger adds its own figures on top)."""
     m = rec.metrics or {}
@@ -45,6 +47,7 @@ def base_view(rec: WorkerRecord, hot_blocks: int = 0, reused_blocks: int = 0) ->
         kv_total_blocks=m.get("kv_total_blocks", 0),
         hot_blocks=hot_blocks,
         reused_blocks=reused_blocks,
+        live_blocks=live_blocks,
     )
 
 
@@ -107,7 +110,8 @@ class RouterCore:
             # never match the engine's token blocks, so following would erase all affinity
             if actor_name and self.kv_follower is not None and self.config.tokenizer != "none":
                 self.kv_follower.ensure(name, actor_name)
-            base = base_view(rec, self.prefix.hot_blocks(name), self.prefix.reused_blocks(name))
+            pi = self.prefix
+            base = base_view(rec, pi.hot_blocks(name), pi.reused_blocks(name), pi.live_blocks(name))
             self._base[name] = base
             self.fleet.update(self.ledger.apply(base))
             for replica, counts in self._remote.items():
@@ -136,7 +140,8 @@ class RouterCore:
             hot &= self._base.keys()
             for name in hot:
                 self._base[name] = replace(self._base[name], hot_blocks=self.prefix.hot_blocks(name),
-                                           reused_blocks=self.prefix.reused_blocks(name))
+                                           reused_blocks=self.prefix.reused_blocks(name),
+                                           live_blocks=self.prefix.live_blocks(name))
         refresh_fleet(self.fleet, self._base, self.ledger, also=hot)
         return self.fleet
 
@@ -176,6 +181,9 @@ class RouterCore:
             request = request.with_overlap(overlap)
         fleet = self.views()
         workers = fleet if not exclude else [v for v in fleet if v.name not in exclude]
+        if exclude and not workers and len(fleet):
+            raise NoWorkerAvailable(f"no routable worker: all {len(fleet)} are excluded for this request "
+                                    f"(already tried, or circuit breaker open)")
         decision = policy.choose(request, workers, self.rng)
         if self._dlog is not None:
             self._log_decision(request, decision, workers)

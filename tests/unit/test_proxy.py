@@ -181,3 +181,33 @@ async def test_read_timeout_bounds_a_silent_worker():
     finally:
         await client.aclose()
         await runner.cleanup()
+
+
+async def test_a_slow_worker_is_a_timeout_that_never_opens_its_breaker():
+    """A worker that does not answer in time (an overloaded engine, or this replica's own event
+    loop running late) fails the attempt as a timeout, which is retried elsewhere but is no
+    evidence the worker is broken; a refused connection and a 5xx are."""
+    async def slow(request: web.Request) -> web.Response:
+        await asyncio.sleep(2.0)
+        return web.Response(text="late")
+
+    runner, url = await _serve(slow)
+    client = UpstreamClient(0.2, 0.3)  # header read bound: 0.3 s
+    try:
+        with pytest.raises(UpstreamError) as info:
+            await client.open("w", "POST", url + "/v1/chat/completions", content=b"{}")
+        assert info.value.timeout and not info.value.counts_for_breaker
+    finally:
+        await client.aclose()
+        await runner.cleanup()
+
+    # nothing listens on this port any more: refused at once, which is evidence
+    client = UpstreamClient(0.5, 0.5)
+    try:
+        with pytest.raises(UpstreamError) as info:
+            await client.open("w", "POST", url + "/v1/chat/completions", content=b"{}")
+        assert not info.value.timeout and info.value.counts_for_breaker
+    finally:
+        await client.aclose()
+    assert UpstreamError("w", "status 503", 503).counts_for_breaker
+    assert not UpstreamError("w", "status 429", 429).counts_for_breaker
