@@ -90,7 +90,7 @@ SGLANG_STALL_NOTE = (
     "See the `-nodelay` row for its routing cost without the stall"
 )
 SGLANG_NODELAY_NOTE = (
-    "the same sglang-router {version} binary and flags with TCP_NODELAY forced on every accepted socket "
+    "The same sglang-router {version} binary and flags with TCP_NODELAY forced on every accepted socket "
     "(LD_PRELOAD shim wrapping accept/accept4, bench/nodelay/nodelay.c, built at run time): what users get "
     "once the peer sets TCP_NODELAY"
 )
