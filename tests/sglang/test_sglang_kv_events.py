@@ -211,9 +211,9 @@ def test_a_restarted_actor_rebuilds_the_index_from_sglangs_replay_buffer(env):
     env["fwd"].pub.connect(_kv(env)["endpoint"])
     time.sleep(0.5)
     env["source"].evict_last()  # one more real event: BlockRemoved of a leaf (all its pages)
-    [removed] = _publish(env)
-    assert type(removed).__name__ == "BlockRemoved" and removed.block_hashes
-    gone = len(removed.block_hashes)
+    events = _publish(env)
+    assert events and all(type(e).__name__ == "BlockRemoved" for e in events)
+    gone = sum(len(e.block_hashes) for e in events)  # one event per page up to 0.5.18, merged from 0.5.20
     kv = wait_for(lambda: (k := _kv(env))["replayed"] > 0 and k["blocks"] == held - gone and k, 15,
                   what=f"new actor replays everything from seq 0, then removes {gone} of {held} blocks")
     assert kv["gaps"] == 0 and kv["refused"] == {}

@@ -45,19 +45,41 @@ def _sglang_specs() -> list[tuple[str, object]]:
 SPECS = _sglang_specs()
 
 
+def _server_args(argv: list[str]):
+    """SGLang's `prepare_server_args(argv)`. Releases before 0.5.22 resolve the accelerator and load
+    the model's config from its hub in `ServerArgs.__post_init__`, which a CPU-only machine with no
+    network cannot do: there the argv is parsed by SGLang's own argparse parser (every flag and value
+    checked) and the dataclass filled from it without that post-init step."""
+    import argparse
+    import dataclasses
+
+    from sglang.srt import server_args as sa
+
+    try:
+        return sa.prepare_server_args(argv)
+    except (RuntimeError, NotImplementedError, OSError) as exc:
+        if "accelerator" not in str(exc) and not isinstance(exc, (NotImplementedError, OSError)):
+            raise
+    parser = argparse.ArgumentParser()
+    sa.ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(argv)
+    args = object.__new__(sa.ServerArgs)
+    for f in dataclasses.fields(sa.ServerArgs):
+        setattr(args, f.name, getattr(ns, f.name, f.default if f.default is not dataclasses.MISSING else None))
+    return args
+
+
 def test_the_examples_and_docs_contain_managed_sglang_engines():
     assert len(SPECS) >= 2, [s[0] for s in SPECS]
 
 
 @pytest.mark.parametrize("where, spec", SPECS, ids=[s[0] for s in SPECS])
 def test_sglang_parses_the_command_line_kvroute_builds(where, spec):
-    from sglang.srt.server_args import prepare_server_args
-
     if spec.kv_events_endpoint == "auto":  # what the worker actor puts there once it has bound the port
         spec = spec.model_copy(update={"kv_events_endpoint": "tcp://127.0.0.1:45557"})
     argv, env = build_command(spec, host="127.0.0.1", port=30001, metrics_endpoint="ipc:///tmp/kvroute-x.metrics")
     assert argv[1:3] == ["-m", "actors.sglang_launch"] and env == {"KVROUTE_METRICS_IPC_NAME": "ipc:///tmp/kvroute-x.metrics"}
-    args = prepare_server_args(argv[3:])
+    args = _server_args(argv[3:])
     assert args.model_path == spec.model and args.port == 30001 and args.page_size == spec.page_size
     assert args.enable_metrics is True  # without it SGLang sends no KvMetrics
     cfg = sglang_kv_config(args.kv_events_config)
@@ -105,12 +127,11 @@ def test_the_managed_kv_config_makes_sglangs_publisher_connect_to_the_address_kv
 
 def test_kvroutes_port_args_patch_gives_the_fixed_metrics_address(monkeypatch):
     from sglang.srt import server_args
-    from sglang.srt.server_args import prepare_server_args
 
     from actors.sglang_launch import _patch_port_args
 
     monkeypatch.setattr(server_args.PortArgs, "init_new", server_args.PortArgs.init_new)  # restored after
-    args = prepare_server_args(["--model-path", "m", "--page-size", "16", "--enable-metrics"])
+    args = _server_args(["--model-path", "m", "--page-size", "16", "--enable-metrics"])
     assert server_args.PortArgs.init_new(args).metrics_ipc_name != "ipc:///tmp/kvroute-fixed.metrics"
     _patch_port_args("ipc:///tmp/kvroute-fixed.metrics")
     port_args = server_args.PortArgs.init_new(args)
