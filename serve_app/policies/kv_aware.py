@@ -100,6 +100,9 @@ class KvAwareConfig:
     live_weight: float = 4.0
     """Cost per hot block of the worker times this prompt's cold share (new / P): each live
     session there waits behind the new prefill, one prefill-weighted block per block of it."""
+    kv_weight: float = 1.0
+    """Cost per KV block held (the report's kv_active_blocks plus this router's pending ones)
+    and per new block this prompt allocates."""
     followup_weight: float = 0.0
     """Cost per block of new prefill per request that finished on the worker within the
     ledger's follow-up window (expected follow-ups that would wait behind it). Off by default:
@@ -114,7 +117,7 @@ class KvAwareConfig:
     `bench/results/routesim.md`). 0 disables it."""
 
     def __post_init__(self) -> None:
-        for f in ("prefill_weight", "queued_request_blocks", "remote_request_blocks",
+        for f in ("prefill_weight", "kv_weight", "queued_request_blocks", "remote_request_blocks",
                   "kv_overflow_weight", "tolerance", "tolerance_blocks", "eviction_weight",
                   "live_weight", "followup_weight", "turn_tolerance"):
             if getattr(self, f) < 0:
@@ -176,7 +179,8 @@ class KvAware:
         cfg = self.config
         ps = w.page_size / block_tokens
         kv0 = w.kv_active_blocks * ps + w.pending_kv_blocks
-        base = cfg.prefill_weight * (w.pending_prefill_blocks + cfg.remote_request_blocks * w.remote_pending) + kv0
+        base = cfg.prefill_weight * (w.pending_prefill_blocks + cfg.remote_request_blocks * w.remote_pending) \
+            + cfg.kv_weight * kv0
         q = w.waiting
         if w.total_slots:
             extra = w.running + w.pending + w.remote_pending + 1 - w.total_slots
@@ -192,8 +196,9 @@ class KvAware:
             headroom, room, cap = _INF, _INF, 0.0
         down = w.state == "down"
         return (_INF if down else base,
-                cfg.prefill_weight + 1.0 + cfg.followup_weight * w.recent_finished, headroom, cap, room,
-                float(w.hot_blocks), 0.0 if down else float(w.reused_blocks), w.last_routed_at)
+                cfg.prefill_weight + cfg.kv_weight + cfg.followup_weight * w.recent_finished, headroom, cap, room,
+                float(w.hot_blocks if w.live_blocks is None else w.live_blocks),
+                0.0 if down else float(w.reused_blocks), w.last_routed_at)
 
     def _columns(self, fleet: FleetView, block_tokens: int) -> Columns:
         fn = self._rowfns.get(block_tokens)
