@@ -146,6 +146,66 @@ def render(doc: dict[str, Any], out_dir: Path, stem: str) -> dict[str, Any]:
     return doc
 
 
+KV, CA, RR = "kvroute-kv_aware", "sglang-cache_aware", "kvroute-round_robin"
+
+
+def _ci(v: tuple[float, float, float] | None, digits: int = 0) -> str:
+    if v is None:
+        return "—"
+    est, lo, hi = v
+    return f"{est:,.{digits}f} [{lo:,.{digits}f}, {hi:,.{digits}f}]"
+
+
+def _pooled_section(doc: dict[str, Any], targets: list[str]) -> list[str]:
+    """Tails pooled over every measured request of a cell (all repetitions), with bootstrap 95 %
+    intervals; kv_aware's ratios to its yardsticks, a goal met only when its interval says so."""
+    trials = [t for t in doc.get("trials", []) if t["summary"].get("ttft_ms_all") is not None]
+    if not trials:
+        return []
+    pool = report.pooled(trials, ["workload", "rate", "target"])
+    L = ["## Pooled tails (every measured request of a cell, all repetitions)\n",
+         "Percentiles over the pooled requests with 95 % percentile-bootstrap intervals (1,000 resamples of "
+         "the requests). Ratios are kvroute kv_aware's figure over the yardstick's, resampled independently; "
+         "*met* means the whole interval is on the goal's side, *missed* the whole interval on the other, "
+         "*open* that the interval straddles it.\n"]
+    cells = sorted({(w, r) for (w, r, _t) in pool})
+    for (w, rate) in cells:
+        rows = []
+        for t in targets:
+            g = pool.get((w, rate, t))
+            if g is None:
+                continue
+            rows.append([t, str(len(g["ttft"])), _ci(report.bootstrap_ci(g["ttft"], 50)),
+                         _ci(report.bootstrap_ci(g["ttft"], 99)), _ci(report.bootstrap_ci(g["e2e"], 50)),
+                         f"{g['rps']:.2f}", fmt((g["hit"] or 0) * 100, digits=1), f"{g['requests'] - g['ok']}"])
+        L.append(f"{w} @ {rate:g} req/s:\n")
+        L.append(_md_table(["target", "requests", "TTFT p50 ms", "TTFT p99 ms", "E2E p50 ms", "req/s",
+                            "hit %", "errors"], rows))
+        L.append("")
+        kv = pool.get((w, rate, KV))
+        goals = []
+        for yard, q, limit in ((CA, 50, 0.8), (CA, 99, 0.8), (RR, 99, 1.0)):
+            y = pool.get((w, rate, yard))
+            if kv is None or y is None:
+                continue
+            r = report.ratio_ci(kv["ttft"], y["ttft"], q)
+            if r is None:
+                continue
+            verdict = "met" if r[2] <= limit else ("missed" if r[1] > limit else "open")
+            goals.append([f"TTFT p{q} ÷ {yard}", f"≤ {limit}", _ci(r, 2), verdict])
+        if kv is not None and pool.get((w, rate, CA)) is not None:
+            ca = pool[(w, rate, CA)]
+            rr = kv["rps"] / ca["rps"] if ca["rps"] else None
+            goals.append([f"throughput ÷ {CA}", "≥ 1.05", fmt(rr, digits=2),
+                          "—" if rr is None else ("met" if rr >= 1.05 else "missed")])
+            goals.append([f"cache hit vs {CA}", "≥", f"{(kv['hit'] or 0) * 100:.1f} vs {(ca['hit'] or 0) * 100:.1f} %",
+                          "met" if (kv["hit"] or 0) >= (ca["hit"] or 0) else "missed"])
+        if goals:
+            L.append(_md_table(["kv_aware goal", "target", "ratio [95 % CI]", "verdict"], goals))
+            L.append("")
+    return L
+
+
 def _cpu_per_request(doc: dict[str, Any], targets: list[str]) -> list[str]:
     """Per workload × rate: each target's CPU per completed request, by process family (bench.cpu)."""
     cells: dict[tuple[str, float], dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
@@ -415,6 +475,7 @@ def _markdown(doc, agg, rates, targets, oh, goals, plots) -> str:
         L.append(_md_table(["target", "this run, mean cores", "max", "other jobs, mean cores", "max"], rows))
         L.append("")
 
+    L.extend(_pooled_section(doc, targets))
     L.extend(_cpu_per_request(doc, targets))
 
     # kvroute diagnostics

@@ -34,6 +34,9 @@ def summarize_trial(results: list[RequestResult], warmup_s: float, stats_before:
                            "error_kinds": dict(errors), "all_requests": len(results)}
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
+    # every measured request's figures, for tails pooled over repetitions (`pooled`)
+    out["ttft_ms_all"] = [round(v * 1e3, 2) for v in ttft]
+    out["e2e_ms_all"] = [round(v * 1e3, 2) for v in e2e]
     itl = [g for r in ok for g in r.itl_s]
     for name, vals in (("ttft", ttft), ("e2e", e2e), ("itl", itl)):
         for q in PCTS:
@@ -113,6 +116,58 @@ def aggregate(trials: Iterable[dict[str, Any]], keys: Sequence[str]) -> dict[tup
                 per_worker[w] += d["requests"]
         agg["per_worker_requests"] = dict(sorted(per_worker.items()))
         out[k] = agg
+    return out
+
+
+def bootstrap_ci(values: Sequence[float], q: float, *, n_boot: int = 1000, seed: int = 0,
+                 alpha: float = 0.05) -> tuple[float, float, float] | None:
+    """The q-th percentile of `values` with a (1 − alpha) percentile-bootstrap interval:
+    (estimate, low, high). Resamples the requests themselves (they are pooled over repetitions)."""
+    if len(values) < 2:
+        return None
+    a = np.asarray(values, dtype=float)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(a), size=(n_boot, len(a)))
+    boots = np.percentile(a[idx], q, axis=1)
+    lo, hi = np.percentile(boots, [100 * alpha / 2, 100 * (1 - alpha / 2)])
+    return float(np.percentile(a, q)), float(lo), float(hi)
+
+
+def ratio_ci(num: Sequence[float], den: Sequence[float], q: float, *, n_boot: int = 1000, seed: int = 0,
+             alpha: float = 0.05) -> tuple[float, float, float] | None:
+    """percentile_q(num) / percentile_q(den) with a bootstrap interval (both resampled
+    independently): a goal "ratio ≤ r" is met only when the interval's high end is ≤ r."""
+    if len(num) < 2 or len(den) < 2:
+        return None
+    a, b = np.asarray(num, dtype=float), np.asarray(den, dtype=float)
+    rng = np.random.default_rng(seed)
+    pa = np.percentile(a[rng.integers(0, len(a), size=(n_boot, len(a)))], q, axis=1)
+    pb = np.percentile(b[rng.integers(0, len(b), size=(n_boot, len(b)))], q, axis=1)
+    r = pa / np.maximum(pb, 1e-12)
+    lo, hi = np.percentile(r, [100 * alpha / 2, 100 * (1 - alpha / 2)])
+    return float(np.percentile(a, q) / max(np.percentile(b, q), 1e-12)), float(lo), float(hi)
+
+
+def pooled(trials: Iterable[dict[str, Any]], keys: Sequence[str]) -> dict[tuple, dict[str, Any]]:
+    """Per group of `keys`: every measured request's TTFT and E2E pooled over repetitions, the
+    errors, and the pooled throughput (requests / summed spans)."""
+    out: dict[tuple, dict[str, Any]] = {}
+    for t in trials:
+        k = tuple(t[x] for x in keys)
+        g = out.setdefault(k, {"ttft": [], "e2e": [], "ok": 0, "requests": 0, "span_s": 0.0,
+                               "cached": 0.0, "prompt": 0, "reps": 0})
+        s = t["summary"]
+        g["ttft"].extend(s.get("ttft_ms_all") or [])
+        g["e2e"].extend(s.get("e2e_ms_all") or [])
+        g["ok"] += s["ok"]
+        g["requests"] += s["requests"]
+        g["span_s"] += s.get("span_s") or 0.0
+        g["prompt"] += s.get("prompt_tokens") or 0
+        g["cached"] += (s.get("cache_hit") or 0.0) * (s.get("prompt_tokens") or 0)
+        g["reps"] += 1
+    for g in out.values():
+        g["rps"] = g["ok"] / g["span_s"] if g["span_s"] else 0.0
+        g["hit"] = g["cached"] / g["prompt"] if g["prompt"] else None
     return out
 
 

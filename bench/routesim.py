@@ -51,6 +51,9 @@ ENGINES = {"mooncake": MC_ENGINE}
 class Knobs:
     net_s: float = 0.001  # router ↔ worker, each way
     report_delay_s: float = 0.004  # engine report → router's view (actor push + aggregator + follower)
+    # how much later than it was produced the router believes a report was produced (a follower
+    # that dates a report by when it applied the delta, late when its replica is CPU-starved)
+    report_date_bias_s: float = 0.0
     idle_after_s: float = 3.0
 
 
@@ -177,7 +180,7 @@ async def _no_aggregator() -> Any:
 
 def run(workload: str, rate: float, duration_s: float, policy: str, *, seed: int = 1, workers: int = 4,
         knobs: Knobs | None = None, kv_aware: dict[str, Any] | None = None, warmup_s: float = 0.0,
-        engine: dict[str, Any] | None = None) -> Result:
+        engine: dict[str, Any] | None = None, params: dict[str, Any] | None = None) -> Result:
     """Drive one trace through `workers` simulated engines routed by `policy`."""
     k = knobs or Knobs()
     eng = {**ENGINES.get(workload, ENGINE), **(engine or {})}
@@ -223,7 +226,7 @@ def run(workload: str, rate: float, duration_s: float, policy: str, *, seed: int
     rng = random.Random(seed)
     ca_load = dict.fromkeys(names, 0)
 
-    trace = make_trace(workload, seed, rate, duration_s, **PARAMS[workload])
+    trace = make_trace(workload, seed, rate, duration_s, **(PARAMS[workload] if params is None else params))
     replies: dict[str, list[str]] = {}
     info: dict[str, dict[str, Any]] = {}  # rid → bookkeeping
     res = Result(policy, rate, 0, [], [], 0, 0, float("inf"), 0.0, dict.fromkeys(names, 0))
@@ -319,7 +322,7 @@ def run(workload: str, rate: float, duration_s: float, policy: str, *, seed: int
             m = rep.as_dict()  # the worker actor converts token counts to pages
             m["kv_active_blocks"] = -(-m["kv_active_blocks"] // cfg.page_size)
             m["kv_total_blocks"] = -(-m["kv_total_blocks"] // cfg.page_size)
-            update(name, m, produced, "live")
+            update(name, m, produced + k.report_date_bias_s, "live")
     return res
 
 
@@ -333,6 +336,8 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--net", type=float, default=Knobs.net_s, metavar="S",
                     help="router → worker (and back) transit, simulated seconds; a starved router's dispatch lag")
+    ap.add_argument("--report-date-bias", type=float, default=0.0, metavar="S",
+                    help="the router dates each report this much later than it was produced")
     ap.add_argument("--report-delay", type=float, default=Knobs.report_delay_s, metavar="S",
                     help="engine report → router's view (the metrics plane's lag), simulated seconds")
     ap.add_argument("--kv", action="append", default=[], metavar="KNOB=VALUE",
@@ -347,7 +352,8 @@ def main() -> int:
         for pol in ns.policies.split(","):
             t0 = time.perf_counter()
             rows = [run(ns.workload, rate, ns.duration, pol, seed=s + 1, kv_aware=kv, warmup_s=ns.warmup,
-                        knobs=Knobs(net_s=ns.net, report_delay_s=ns.report_delay)).summary()
+                        knobs=Knobs(net_s=ns.net, report_delay_s=ns.report_delay,
+                                    report_date_bias_s=ns.report_date_bias)).summary()
                     for s in range(ns.seeds)]
             m = {key: statistics.mean(r[key] for r in rows) for key in rows[0]}
             print(f"| {pol} | {rate:g} | {m['req/s']:.1f} | {m['ttft_p50_ms']:.0f} | {m['ttft_p99_ms']:.0f} | "
