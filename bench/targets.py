@@ -83,6 +83,8 @@ SGLANG_ROUTER_FLAGS: dict[str, tuple[str, ...]] = {
 }
 SGLANG_COMMON_FLAGS = ("--log-level", "warn")
 NODELAY_SUFFIX = "-nodelay"
+# nodelay variants started when every target is (no --targets list); the others only when named
+NODELAY_BY_DEFAULT = ("cache_aware",)
 SGLANG_STALL_NOTE = (
     "sglang-router {version} never sets TCP_NODELAY on the client connections it accepts (axum_server's "
     "default): on a keep-alive connection reused within ~40 ms, a streamed reply's first body bytes wait for "
@@ -371,7 +373,7 @@ class BenchFleet:
         for policy in SGLANG_POLICIES:
             for nodelay in (False, True):
                 name = f"sglang-{policy}{NODELAY_SUFFIX if nodelay else ''}"
-                if not on(name):
+                if not on(name) or (nodelay and want is None and policy not in NODELAY_BY_DEFAULT):
                     continue
                 port = free_port()
                 self._start_sglang_router(name, policy, port, urls, nodelay=nodelay)
