@@ -23,7 +23,8 @@
    reply's first body bytes wait for the client's delayed ACK (a TCP floor of ~40 ms, not routing
    cost). `sglang-<policy>-nodelay` runs the same binary with the same flags and an LD_PRELOAD shim
    (`bench/nodelay/`, compiled here at run time) that sets TCP_NODELAY on every socket it accepts:
-   its routing cost apart from the stall.
+   its routing cost apart from the stall (cache_aware's in a run of every target; the others when
+   named in `--targets`).
 
 `direct` needs nothing: the load generator picks the workers round-robin itself (the floor).
 `stop()` tears every piece down: routers, Serve apps, worker actors (their sims), aggregator, Ray.

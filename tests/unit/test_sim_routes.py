@@ -91,3 +91,13 @@ def test_version_fields_name_the_claimed_release(client):
     assert c.get("/get_server_info").json()["version"] == release
     if "/v1/loads" in EXPECTED[release]:
         assert c.get("/v1/loads").json()["version"] == release
+
+
+def test_legacy_get_load_keeps_the_shape_power_of_two_reads(client):
+    form, c = client
+    if "/get_load" not in EXPECTED[release_of(form)]:
+        pytest.skip("no /get_load in this release")
+    rows = c.get("/get_load").json()
+    # sglang-router's LoadMonitor sums `num_tokens` over the list's entries (one per DP rank)
+    assert isinstance(rows, list) and len(rows) == 1
+    assert set(rows[0]) == {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens", "num_pending_tokens", "ts_tic"}
