@@ -101,3 +101,26 @@ def test_legacy_get_load_keeps_the_shape_power_of_two_reads(client):
     # sglang-router's LoadMonitor sums `num_tokens` over the list's entries (one per DP rank)
     assert isinstance(rows, list) and len(rows) == 1
     assert set(rows[0]) == {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens", "num_pending_tokens", "ts_tic"}
+
+
+def test_sglangs_http_exception_handler_does_not_touch_unknown_routes():
+    """SGLang ≥ 0.5.8 registers an error-envelope handler for `fastapi.HTTPException`; the router's
+    404/405 are Starlette's HTTPException (its base class), so they keep FastAPI's default body —
+    which is why the sim's plain FastAPI 404 is SGLang's."""
+    from fastapi import FastAPI, HTTPException, Request
+    from fastapi.responses import JSONResponse
+
+    app = FastAPI()
+
+    @app.exception_handler(HTTPException)
+    async def envelope(request: Request, exc: HTTPException) -> JSONResponse:  # as http_server.py does
+        return JSONResponse({"object": "error", "message": exc.detail, "code": exc.status_code},
+                            status_code=exc.status_code)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {}
+
+    c = TestClient(app)
+    assert (c.get("/get_load").status_code, c.get("/get_load").json()) == (404, {"detail": "Not Found"})
+    assert c.post("/health").json() == {"detail": "Method Not Allowed"}
