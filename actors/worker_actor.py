@@ -116,6 +116,8 @@ class WorkerActor:
         self._kv_replayed = 0
         self._kv_watch = SilenceWatch(self.settings.kv_events_silence_s)
         self._kv_warned = False
+        self._kv_catch_up_at = 0.0
+        self._kv_catching_up: asyncio.Task | None = None
         if self.spec.kv_events_endpoint:
             self._open_kv_subscription()  # before the engine starts: managed engines connect to us
         # one pooled client: SGLang's server keeps the connection alive, so a probe is one request
@@ -151,13 +153,21 @@ class WorkerActor:
         ranks = self.spec.kv_event_ranks
         try:
             if self.spec.kv_events_endpoint == "auto":  # managed: we bind a port, the engine connects to it
+                from actors.launcher import free_port
+
                 host = _listen_host(self.spec.host)
                 base = sock.bind_to_random_port(f"tcp://{host}")
                 for r in range(1, ranks):  # rank r publishes on base + r
                     sock.bind(f"tcp://{host}:{base + r}")
                 endpoint = f"tcp://{host}:{base}"
-                self.spec = self.spec.model_copy(update={"kv_events_endpoint": endpoint, "kv_events_bind": None})
-                self._kv_plans = [KvEventsPlan(r, "bind", rank_endpoint(endpoint, r)) for r in range(ranks)]
+                # a connecting PUB loses what it sends before our subscription reached it (libzmq applies
+                # it at the first send, so batch 0 is always lost): the engine's replay ROUTER, which
+                # SGLang always binds, gives those batches back
+                replay = self.spec.kv_events_replay_endpoint or f"tcp://{host}:{free_port(host)}"
+                self.spec = self.spec.model_copy(update={"kv_events_endpoint": endpoint, "kv_events_bind": None,
+                                                         "kv_events_replay_endpoint": replay})
+                self._kv_plans = [KvEventsPlan(r, "bind", rank_endpoint(endpoint, r), rank_endpoint(replay, r))
+                                  for r in range(ranks)]
             else:
                 peer = self.spec.url.split("//", 1)[1].rsplit(":", 1)[0].strip("[]") if self.spec.url else None
                 self._kv_plans = plan_subscription(
@@ -268,6 +278,8 @@ class WorkerActor:
         self._stopping = True
         for t in self._tasks:
             t.cancel()
+        if self._kv_catching_up is not None:
+            self._kv_catching_up.cancel()
         # bounded: on Python 3.11 a wait_for racing the cancel can swallow it and keep a loop alive
         await asyncio.wait({*self._tasks}, timeout=0.5)
         if self.proc is not None:
@@ -358,9 +370,21 @@ class WorkerActor:
                 logger.exception("worker %s: KV event loop error", self.name)
                 await asyncio.sleep(0.01)
 
-    async def _replay(self, rank: int, start: int, stop: int) -> bool:
-        """Ask the rank's replay ROUTER for batches `start`..`stop - 1` and apply them in order.
-        True only if every one of them arrived (the engine's buffer still held them)."""
+    async def _catch_up(self) -> None:
+        """The engine shows prefills but no batch arrived: ask each rank's replay ROUTER from seq 0.
+        Recovers batches a connecting PUB dropped before our subscription reached it (with nothing
+        live after them to reveal the gap); if the replay is empty too, the watch stays `silent`."""
+        if self._kv_batches or self._kv_watch.busy_since is None or time.monotonic() < self._kv_catch_up_at:
+            return
+        self._kv_catch_up_at = time.monotonic() + max(1.0, self.settings.kv_events_silence_s / 2)
+        for plan in self._kv_plans:
+            if plan.replay is not None and plan.rank not in self._kv_trackers:
+                await self._replay(plan.rank, 0, None)
+        self._watch_kv()
+
+    async def _replay(self, rank: int, start: int, stop: int | None) -> bool:
+        """Ask the rank's replay ROUTER for batches `start`..`stop - 1` (None: all it holds) and apply
+        them in order. True only if every one of them arrived (the engine's buffer still held them)."""
         assert self.kv_log is not None
         plan = next((p for p in self._kv_plans if p.rank == rank), None)
         if plan is None or plan.replay is None:
@@ -384,7 +408,7 @@ class WorkerActor:
                 except KvEventError as exc:
                     self._kv_refused[exc.reason] = self._kv_refused.get(exc.reason, 0) + 1
                     continue
-                if start <= b.seq < stop:
+                if start <= b.seq and (stop is None or b.seq < stop):
                     got[b.seq] = b
         finally:
             dealer.close(linger=0)
@@ -392,9 +416,18 @@ class WorkerActor:
             if got[seq].events:
                 self.kv_log.apply(rank, got[seq].events)
         self._kv_replayed += len(got)
-        complete = len(got) == stop - start
-        logger.info("worker %s: KV events replayed %d of batches %d..%d (rank %d)",
-                    self.name, len(got), start, stop - 1, rank)
+        if stop is None:  # caught up from nothing: the live stream continues after the newest one
+            if got:
+                self._kv_trackers.setdefault(rank, SeqTracker()).observe(max(got))
+                self._kv_batches += len(got)
+                self._kv_changed.set()
+                self._kv_changed = asyncio.Event()
+            complete, stop = bool(got), (max(got) + 1 if got else start)
+        else:
+            complete = len(got) == stop - start
+        if got:
+            logger.info("worker %s: KV events replayed %d of batches %d..%d (rank %d)",
+                        self.name, len(got), start, stop - 1, rank)
         return complete
 
     # --- push ---------------------------------------------------------------------------------
@@ -488,6 +521,8 @@ class WorkerActor:
             try:
                 await self._probe()
                 self._watch_kv()
+                if self._kv_catching_up is None or self._kv_catching_up.done():
+                    self._kv_catching_up = asyncio.get_running_loop().create_task(self._catch_up())
             except asyncio.CancelledError:
                 raise
             except Exception:

@@ -47,14 +47,19 @@ def _port_is_free(port: int) -> bool:
 
 @pytest.fixture(scope="module")
 def sim(tmp_path_factory):
-    """One sim process (10× faster than real time) with a bound PULL and a connected SUB."""
+    """One sim process (10× faster than real time) with a bound PULL and a bound SUB: like SGLang
+    0.5.23, the sim's PUB connects to a concrete tcp:// endpoint, so the subscriber binds it."""
     tmp = tmp_path_factory.mktemp("sim")
     ctx = zmq.Context()
     metrics_ep = f"ipc://{tmp}/metrics-{uuid.uuid4().hex[:6]}"
     pull = ctx.socket(zmq.PULL)
     pull.setsockopt(zmq.LINGER, 0)
     pull.bind(metrics_ep)
-    port, kv_port = _free_port(), _free_port()
+    port = _free_port()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    kv_port = sub.bind_to_random_port("tcp://127.0.0.1")
     argv = [
         sys.executable, "-m", "sim", "--port", str(port), "--metrics-endpoint", metrics_ep,
         "--wire", "0.5.23", "--time-scale", "0.1", "--page-size", "16", "--decode-log-interval", "5",
@@ -74,11 +79,17 @@ def sim(tmp_path_factory):
             pass
         assert time.monotonic() < deadline, "sim never became healthy"
         time.sleep(0.05)
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.LINGER, 0)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(f"tcp://127.0.0.1:{kv_port}")
-    time.sleep(0.2)  # let the subscription reach the PUB before anything is published
+    # a connecting PUB drops what it sends before the subscription reached it (as SGLang's does):
+    # warm up until one batch arrives, then start from an empty socket
+    for i in range(50):
+        httpx.post(url + "/generate", json={"input_ids": list(range(90_000 + 32 * i, 90_000 + 32 * i + 16)),
+                                            "sampling_params": {"max_new_tokens": 1}}, timeout=5)
+        if sub.poll(200):
+            break
+    while sub.poll(300):
+        sub.recv_multipart()
+    while pull.poll(300):
+        pull.recv()
     client = httpx.Client(base_url=url, timeout=10)
     yield {"proc": proc, "client": client, "pull": pull, "sub": sub, "port": port}
     client.close()
