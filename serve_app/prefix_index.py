@@ -24,7 +24,6 @@ not O(workers × blocks).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import OrderedDict
 from typing import Any, Callable, Iterable, Sequence
@@ -32,8 +31,6 @@ from typing import Any, Callable, Iterable, Sequence
 from actors.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 log = logging.getLogger(__name__)
-
-_RETURN_PRIOR = 1.0  # pseudo-count of the return rate's prior (1.0 = every fresh block returns)
 
 BlockHasher = Callable[[int, Sequence[int]], int]
 """(parent block's hash — 0 for the first block —, this block's token ids) → this block's hash."""
@@ -120,7 +117,6 @@ class PrefixIndex:
         max_entries: int = 262_144,
         hot_window_s: float = 10.0,
         fresh_window_s: float = 2.0,
-        return_tau_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if ttl_s <= 0 or max_entries < 1 or hot_window_s <= 0 or fresh_window_s < 0:
@@ -137,14 +133,6 @@ class PrefixIndex:
         # worker → {hash: first sent} of blocks sent there once, within fresh_window_s
         self._fresh: dict[str, OrderedDict[int, float]] = {}
         self._changed: set[str] = set()
-        # how often a block first sent to a worker comes back to it within fresh_window_s (a
-        # conversation's next turn, a system prompt's next request): exponentially decayed counts
-        # of blocks that entered a fresh set and of those reused from it, time constant return_tau_s
-        self.return_tau_s = return_tau_s
-        self._entered = _RETURN_PRIOR
-        self._returned = _RETURN_PRIOR
-        self._counts_at = clock()
-        self._rate_published = 1.0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -154,26 +142,6 @@ class PrefixIndex:
         hot = self._hot.get(worker)
         fresh = self._fresh.get(worker)
         return (len(hot) if hot else 0) + (len(fresh) if fresh else 0)
-
-    def return_rate(self) -> float:
-        """The share of fresh blocks that were reused on their worker within `fresh_window_s`
-        lately (1 before there is data): how likely a prompt just sent is a session that returns."""
-        return self._returned / self._entered if self._entered > 0 else 1.0
-
-    def live_blocks(self, worker: str) -> float:
-        """Expected live-session blocks on `worker`: its reused blocks, plus its fresh ones weighted
-        by the return rate (a fresh block is a live session only as often as fresh blocks come back)."""
-        hot = self._hot.get(worker)
-        fresh = self._fresh.get(worker)
-        return (len(hot) if hot else 0) + (len(fresh) if fresh else 0) * self._rate_published
-
-    def _decay(self, now: float) -> None:
-        dt = now - self._counts_at
-        if dt > 0:
-            f = math.exp(-dt / self.return_tau_s)
-            self._entered = self._entered * f + _RETURN_PRIOR * (1 - f)
-            self._returned = self._returned * f + _RETURN_PRIOR * (1 - f)
-            self._counts_at = now
 
     def reused_blocks(self, worker: str) -> int:
         """The part of `hot_blocks` that was reused lately (sent there twice or more), not just sent
@@ -191,11 +159,6 @@ class PrefixIndex:
                 self._cool(w, hot, now, self.hot_window_s)
             for w, fresh in self._fresh.items():
                 self._cool(w, fresh, now, self.fresh_window_s)
-            self._decay(now)
-            rate = self.return_rate()
-            if abs(rate - self._rate_published) > 0.02:  # every worker's live_blocks moved
-                self._rate_published = rate
-                self._changed.update(w for w, f in self._fresh.items() if f)
         c, self._changed = self._changed, set()
         return c
 
@@ -220,7 +183,6 @@ class PrefixIndex:
         n_hot, n_fresh = len(hot), len(fresh)
         hot_move = hot.move_to_end
         track_fresh = self.fresh_window_s > 0
-        returned = 0
         for h in reversed(block_hashes):  # root last: it becomes the most recently used
             e = entries.get(h)
             if e is None:
@@ -234,16 +196,11 @@ class PrefixIndex:
                         hot_move(h)
                     else:
                         hot[h] = now
-                        if fresh.pop(h, None) is not None:
-                            returned += 1
+                        fresh.pop(h, None)
                 elif track_fresh:
                     fresh[h] = now
                 e[worker] = now
                 move(h)
-        if track_fresh:
-            self._decay(now)
-            self._entered += len(fresh) - n_fresh + returned  # blocks that entered the fresh set
-            self._returned += returned
         if len(hot) != n_hot or len(fresh) != n_fresh:
             self._changed.add(worker)
         self._evict(now)

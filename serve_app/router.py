@@ -30,8 +30,7 @@ DECISION_LOG_COLUMNS = ("state", "running", "waiting", "kv_active_blocks", "pend
                         "overlap", "metrics_age_s")
 
 
-def base_view(rec: WorkerRecord, hot_blocks: int = 0, reused_blocks: int = 0,
-              live_blocks: float | None = None) -> WorkerView:
+def base_view(rec: WorkerRecord, hot_blocks: int = 0, reused_blocks: int = 0) -> WorkerView:
     """A worker as its last report shows it, with the prefix index's hot (and of those, reused)
     blocks (the ledger adds its own figures on top)."""
     m = rec.metrics or {}
@@ -47,7 +46,6 @@ def base_view(rec: WorkerRecord, hot_blocks: int = 0, reused_blocks: int = 0,
         kv_total_blocks=m.get("kv_total_blocks", 0),
         hot_blocks=hot_blocks,
         reused_blocks=reused_blocks,
-        live_blocks=live_blocks,
     )
 
 
@@ -110,8 +108,7 @@ class RouterCore:
             # never match the engine's token blocks, so following would erase all affinity
             if actor_name and self.kv_follower is not None and self.config.tokenizer != "none":
                 self.kv_follower.ensure(name, actor_name)
-            pi = self.prefix
-            base = base_view(rec, pi.hot_blocks(name), pi.reused_blocks(name), pi.live_blocks(name))
+            base = base_view(rec, self.prefix.hot_blocks(name), self.prefix.reused_blocks(name))
             self._base[name] = base
             self.fleet.update(self.ledger.apply(base))
             for replica, counts in self._remote.items():
@@ -140,8 +137,7 @@ class RouterCore:
             hot &= self._base.keys()
             for name in hot:
                 self._base[name] = replace(self._base[name], hot_blocks=self.prefix.hot_blocks(name),
-                                           reused_blocks=self.prefix.reused_blocks(name),
-                                           live_blocks=self.prefix.live_blocks(name))
+                                           reused_blocks=self.prefix.reused_blocks(name))
         refresh_fleet(self.fleet, self._base, self.ledger, also=hot)
         return self.fleet
 

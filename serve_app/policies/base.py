@@ -48,9 +48,6 @@ class WorkerView:
     reused_blocks: int = 0
     # ledger: when this replica last routed a request there (ledger clock; 0 = never)
     last_routed_at: float = 0.0
-    # prefix index: expected live-session blocks — reused blocks plus fresh ones weighted by how
-    # often fresh blocks come back (`PrefixIndex.live_blocks`); None = all of hot_blocks
-    live_blocks: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

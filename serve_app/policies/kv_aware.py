@@ -197,8 +197,7 @@ class KvAware:
         down = w.state == "down"
         return (_INF if down else base,
                 cfg.prefill_weight + cfg.kv_weight + cfg.followup_weight * w.recent_finished, headroom, cap, room,
-                float(w.hot_blocks if w.live_blocks is None else w.live_blocks),
-                0.0 if down else float(w.reused_blocks), w.last_routed_at)
+                float(w.hot_blocks), 0.0 if down else float(w.reused_blocks), w.last_routed_at)
 
     def _columns(self, fleet: FleetView, block_tokens: int) -> Columns:
         fn = self._rowfns.get(block_tokens)
