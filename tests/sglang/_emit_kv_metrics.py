@@ -6,6 +6,7 @@ scheduler KvMetrics publisher pushes COUNT reports to ENDPOINT; prints the value
 
 from __future__ import annotations
 
+import atexit
 import json
 import sys
 import time
@@ -51,6 +52,7 @@ def main() -> None:
     time.sleep(0.3)  # let ZMQ flush before the context goes
     for pub, sock in zip(pubs, socks):
         pub.kv_event_publisher.shutdown()
+        atexit.unregister(pub.kv_event_publisher.shutdown)
         sock.close(linger=1000)
     ctx.term()
     print(json.dumps(sent))

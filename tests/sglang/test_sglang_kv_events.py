@@ -6,6 +6,7 @@ batch on request, so a gap is real, not simulated."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import threading
 import time
@@ -116,6 +117,7 @@ def env(ray_cluster, serve_port, tmp_path_factory):
     client.close()
     serve.delete("sgkv")
     publisher.shutdown()
+    atexit.unregister(publisher.shutdown)  # SGLang registers it; once is enough
     fwd.close()
     for a in state["actors"].values():
         try:

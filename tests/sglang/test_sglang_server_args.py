@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import re
 from pathlib import Path
@@ -76,14 +77,17 @@ def test_the_examples_and_docs_contain_managed_sglang_engines():
 @pytest.mark.parametrize("where, spec", SPECS, ids=[s[0] for s in SPECS])
 def test_sglang_parses_the_command_line_kvroute_builds(where, spec):
     if spec.kv_events_endpoint == "auto":  # what the worker actor puts there once it has bound the port
-        spec = spec.model_copy(update={"kv_events_endpoint": "tcp://127.0.0.1:45557"})
+        spec = spec.model_copy(update={"kv_events_endpoint": "tcp://127.0.0.1:45557",
+                                       "kv_events_replay_endpoint": "tcp://127.0.0.1:45657"})
     argv, env = build_command(spec, host="127.0.0.1", port=30001, metrics_endpoint="ipc:///tmp/kvroute-x.metrics")
     assert argv[1:3] == ["-m", "actors.sglang_launch"] and env == {"KVROUTE_METRICS_IPC_NAME": "ipc:///tmp/kvroute-x.metrics"}
     args = _server_args(argv[3:])
     assert args.model_path == spec.model and args.port == 30001 and args.page_size == spec.page_size
     assert args.enable_metrics is True  # without it SGLang sends no KvMetrics
     cfg = sglang_kv_config(args.kv_events_config)
-    assert cfg.publisher == "zmq"
+    assert cfg.publisher == "zmq" and cfg.topic == "kv-events"
+    if spec.kv_events_endpoint not in (None, "auto"):
+        assert (cfg.endpoint, cfg.replay_endpoint) == (spec.kv_events_endpoint, spec.kv_events_replay_endpoint)
     for key, value in spec.engine_args.items():
         assert getattr(args, key) == value, key
 
@@ -122,6 +126,7 @@ def test_the_managed_kv_config_makes_sglangs_publisher_connect_to_the_address_kv
         assert got[0] == b"kv-events" and len(got) == 3
     finally:
         pub.shutdown()
+        atexit.unregister(pub.shutdown)  # SGLang registers it; once is enough
         sub.close(linger=0)
 
 
