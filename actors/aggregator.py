@@ -104,6 +104,7 @@ class Aggregator:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.SNDHWM, 1000)  # a follower this far behind is dropped from, then resyncs
+        self._pub_raw = zmq.Socket.shadow(self._pub.underlying)
         self._ip = _node_ip()
         self._ports = _remembered_ports()
         self._bound: dict[str, tuple[str, str]] = {}
@@ -229,7 +230,7 @@ class Aggregator:
     def _publish(self, delta: Any) -> None:
         frame = encode_delta(delta)
         try:
-            self._pub.send(frame, zmq.NOBLOCK)
+            self._pub_raw.send(frame, zmq.NOBLOCK)  # the sync view: no asyncio send future per delta
         except zmq.Again:
             pass
         self.published += 1

@@ -114,8 +114,19 @@ class WorkerUpdate(msgspec.Struct, array_like=True, frozen=True):
     version: int
 
 
+class MetricsUpdate(msgspec.Struct, array_like=True, frozen=True):
+    """A worker whose new ranks are all that changed (the common case under load: registration,
+    state and in-flight counts as the follower already has them) — a third of a `WorkerUpdate`."""
+
+    name: str
+    metrics_age_s: float
+    ranks: list[RankMetrics]
+    version: int
+
+
 class FleetDelta(msgspec.Struct, array_like=True, frozen=True):
-    """Workers changed in (`prev_version`, `version`] of registry `epoch`. `names` is the whole
+    """Workers changed in (`prev_version`, `version`] of registry `epoch`: whole records in
+    `workers`, those whose ranks alone changed in `metrics` (never both). `names` is the whole
     membership, sent only when it changed in that range (and in every full snapshot). A follower
     at version v applies a delta iff same epoch and `prev_version <= v < version`; a delta with
     `prev_version > v` means it missed one and must resync from a full snapshot."""
@@ -126,6 +137,7 @@ class FleetDelta(msgspec.Struct, array_like=True, frozen=True):
     full: bool
     workers: list[WorkerUpdate]
     names: list[str] | None = None
+    metrics: list[MetricsUpdate] = []
 
 
 class Endpoints(msgspec.Struct, frozen=True):

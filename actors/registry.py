@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from actors.models import Settings, WorkerState, derive_state
-from actors.protocol import FleetDelta, RankMetrics, WorkerReport, WorkerUpdate
+from actors.protocol import FleetDelta, MetricsUpdate, RankMetrics, WorkerReport, WorkerUpdate
 
 
 @dataclass(slots=True)
@@ -44,7 +44,7 @@ class FleetRegistry:
         self._workers: dict[str, _Worker] = {}
         self._in_flight: dict[str, tuple[float, dict[str, int]]] = {}  # router replica → counts
         self._next_due = float("inf")  # earliest moment a worker's state can change by time alone
-        self._dirty: set[str] = set()  # changed since the last take_delta()
+        self._dirty: dict[str, bool] = {}  # changed since the last take_delta() → more than its ranks?
         self._published = 0  # version of the last take_delta()
         self._members_at = 0  # version of the last membership change
 
@@ -54,7 +54,7 @@ class FleetRegistry:
         """Upsert one worker actor's report (registration, liveness and latest ranks in one)."""
         now = self.clock()
         w = self._workers.get(r.name)
-        changed = False
+        changed = False  # anything but the ranks
         if w is None or w.incarnation != r.incarnation:
             if w is None:
                 self._members_at = self.version + 1
@@ -68,6 +68,7 @@ class FleetRegistry:
             w.url, w.page_size, w.healthy, w.health_detail = r.url, r.page_size, r.healthy, r.health_detail
             w.extra = r.extra
             changed = True
+        ranks_changed = False
         for m in r.ranks:
             old = w.ranks.get(m.data_parallel_rank)
             if old is None or old[0].seq != m.seq:
@@ -75,21 +76,21 @@ class FleetRegistry:
                 w.ranks[m.data_parallel_rank] = (m, at)
                 if w.metrics_at is None or at > w.metrics_at:
                     w.metrics_at = at
-                changed = True
+                ranks_changed = True
         changed |= self._rederive(w, now)
-        if changed:
-            self._bump(w)
+        if changed or ranks_changed:
+            self._bump(w, whole=changed)
         due = self._due(w, now)
         if due < self._next_due:
             self._next_due = due
-        return changed
+        return changed or ranks_changed
 
     def remove(self, name: str) -> bool:
         if self._workers.pop(name, None) is None:
             return False
         self.version += 1
         self._members_at = self.version
-        self._dirty.discard(name)
+        self._dirty.pop(name, None)
         return True
 
     def report_in_flight(self, replica: str, counts: dict[str, int]) -> bool:
@@ -140,10 +141,18 @@ class FleetRegistry:
             return None
         now = self.clock()
         workers = self._workers
-        out = [self._public(workers[n], now) for n in self._dirty if n in workers]
+        whole, ranks_only = [], []
+        for n, more in self._dirty.items():
+            w = workers.get(n)
+            if w is None:
+                continue
+            if more:
+                whole.append(self._public(w, now))
+            else:
+                ranks_only.append(MetricsUpdate(n, max(0.0, now - w.metrics_at), self._ranks(w), w.version))
         names = list(workers) if self._members_at > self._published else None
         delta = FleetDelta(epoch=self.epoch, version=self.version, prev_version=self._published, full=False,
-                           workers=out, names=names)
+                           workers=whole, names=names, metrics=ranks_only)
         self._published = self.version
         self._dirty.clear()
         return delta
@@ -167,9 +176,14 @@ class FleetRegistry:
             health_detail=w.health_detail,
             metrics_age_s=None if w.metrics_at is None else max(0.0, now - w.metrics_at),
             heartbeat_age_s=max(0.0, now - w.heartbeat_at),
-            ranks=[m for _, (m, _) in sorted(w.ranks.items())] if len(w.ranks) > 1 else [m for m, _ in w.ranks.values()],
-            in_flight_by_replica=remote, extra=w.extra, version=w.version,
+            ranks=self._ranks(w), in_flight_by_replica=remote, extra=w.extra, version=w.version,
         )
+
+    @staticmethod
+    def _ranks(w: _Worker) -> list[RankMetrics]:
+        if len(w.ranks) == 1:
+            return [m for m, _ in w.ranks.values()]
+        return [m for _, (m, _) in sorted(w.ranks.items())]
 
     # --- internals ----------------------------------------------------------------------------
 
@@ -203,7 +217,8 @@ class FleetRegistry:
         w.state = state
         return True
 
-    def _bump(self, w: _Worker) -> None:
+    def _bump(self, w: _Worker, whole: bool = True) -> None:
+        """A new version for `w`; `whole=False`: only its ranks changed (published as a MetricsUpdate)."""
         self.version += 1
         w.version = self.version
-        self._dirty.add(w.name)
+        self._dirty[w.name] = whole or self._dirty.get(w.name, False)

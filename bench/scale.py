@@ -16,7 +16,7 @@ then R = 4 (3 more followers started cold into the running fleet):
 - bytes per delta as the follower receives it;
 - cold follower: `FleetFollower.start()` → it holds all N workers.
 
-    python -m bench.scale [--workers 100 1000] [--hz 2 10] [--seconds 5] [--emulators 2] [--heartbeats]
+    python -m bench.scale [--workers 100 1000] [--hz 2 10] [--seconds 5] [--emulators 2] [--change-every K]
     python -m bench.scale --real-actors 4 [--frame-hz 30] [--seconds 20]   # real worker actors' own cost
 
 A benchmark, not a test: figures vary with the machine's other load (the load average is printed).
@@ -52,13 +52,16 @@ class Emulator:
     """Plays `names` workers, each reporting at `hz` with its phase spread over the period."""
 
     def __init__(self, names: list[str], hz: float, base: float, settings: dict[str, Any],
-                 heartbeats: bool = False) -> None:
+                 change_every: int = 1) -> None:
         import uuid
 
-        self.names, self.hz, self.base, self.heartbeats = names, hz, base, heartbeats
+        self.names, self.hz, self.base, self.change_every = names, hz, base, change_every
+        self.reports = {n: 0 for n in names}
         self.settings = settings
         self.incarnation = {n: uuid.uuid4().hex[:12] for n in names}
         self.seq = {n: 0 for n in names}
+        self.sent_us = {n: 0 for n in names}
+        self.missed = 0
         self.offered = 0
         self.sent = 0
         self.coalesced = 0
@@ -72,7 +75,7 @@ class Emulator:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     def counters(self) -> dict[str, int]:
-        return {"offered": self.offered, "sent": self.sent, "coalesced": self.coalesced}
+        return {"offered": self.offered, "sent": self.sent, "coalesced": self.coalesced, "missed": self.missed}
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -81,11 +84,12 @@ class Emulator:
 
     def _report(self, name: str) -> dict[str, Any]:
         """What `WorkerActor._batch()` builds: one rank, KV counts already in blocks."""
-        if not (self.heartbeats and self.seq[name]):  # heartbeats only: the first values, unchanged
+        k = self.reports[name]
+        self.reports[name] = k + 1
+        if k == 0 or (self.change_every and k % self.change_every == 0):  # new values; else a heartbeat
             self.seq[name] += 1
-        sent_us = int((time.time() - self.base) * 1e6)
-        rank = {**VALUES, "num_requests_waiting": self.seq[name] if self.heartbeats else sent_us, "age_s": 0.0,
-                "seq": self.seq[name]}
+            self.sent_us[name] = int((time.time() - self.base) * 1e6)
+        rank = {**VALUES, "num_requests_waiting": self.sent_us[name], "age_s": 0.0, "seq": self.seq[name]}
         return {"name": name, "url": f"http://127.0.0.1:1/{name}", "page_size": 16,
                 "incarnation": self.incarnation[name], "healthy": True, "health_detail": "ok",
                 "extra": {}, "ranks": {0: rank}}
@@ -101,6 +105,11 @@ class Emulator:
             now = time.monotonic()
             while due[i] <= now:  # the workers whose turn has come, in phase order
                 name = self.names[i]
+                if due[i] < now - period:  # a starved emulator skips a turn, it does not burst
+                    self.missed += 1
+                    due[i] += period
+                    i = (i + 1) % n
+                    continue
                 self.offered += 1
                 if self._sender.send(name, self._report(name)):
                     self.sent += 1
@@ -251,7 +260,7 @@ def _window(agg: Any, agg_pid: int, emus: list[Any], hosts: list[Any], host_pids
     r1 = ray.get(agg.stats.remote())["reports"]
     e1 = ray.get([e.counters.remote() for e in emus])
     took = ray.get([h.take.remote() for h in hosts])
-    offered = sum(b["offered"] - a["offered"] for a, b in zip(e0, e1)) / dt  # sends due (catch-up included)
+    offered = sum(b["offered"] - a["offered"] for a, b in zip(e0, e1)) / dt  # sends made (a starved emulator skips)
     absorbed = (r1 - r0) / dt
     agg_cpu = (c1[agg_pid] - c0[agg_pid]) / dt
     fol_cpu = statistics.mean((c1[p] - c0[p]) / dt for p in host_pids)
@@ -269,7 +278,7 @@ def _window(agg: Any, agg_pid: int, emus: list[Any], hosts: list[Any], host_pids
 
 
 def run_cell(n: int, hz: float, seconds: float, n_emulators: int, followers: list[int],
-             heartbeats: bool = False) -> list[dict[str, Any]]:
+             change_every: int = 1) -> list[dict[str, Any]]:
     from actors.aggregator import get_or_create_aggregator, kill_aggregator
     from actors.models import Settings
 
@@ -280,7 +289,7 @@ def run_cell(n: int, hz: float, seconds: float, n_emulators: int, followers: lis
     agg_pid = ray.get(agg.stats.remote())["pid"]
     base = time.time()
     names = [f"w{i:05d}" for i in range(n)]
-    emus = [Emulator.remote(names[k::n_emulators], hz, base, sd, heartbeats) for k in range(n_emulators)]
+    emus = [Emulator.remote(names[k::n_emulators], hz, base, sd, change_every) for k in range(n_emulators)]
     ray.get([e.start.remote() for e in emus])
     _wait(lambda: ray.get(agg.stats.remote())["workers"] >= n, 60 + n / 100, f"{n} workers registered")
     floor = FollowerHost.remote(base, sd)  # never started: an idle Ray actor's own CPU floor
@@ -298,7 +307,7 @@ def run_cell(n: int, hz: float, seconds: float, n_emulators: int, followers: lis
         cold = max(ray.get([h.cold_s.remote() for h in new]))
         time.sleep(1.0)
         row = _window(agg, agg_pid, emus, hosts, host_pids, floor_pid, seconds)
-        row.update(n=n, hz=hz, r=r, cold_s=cold, kind="heartbeats" if heartbeats else "new values")
+        row.update(n=n, hz=hz, r=r, cold_s=cold, change_every=change_every)
         rows.append(row)
         _print_row(row)
     ray.get([h.stop.remote() for h in hosts])
@@ -396,7 +405,8 @@ HEADER = ("| N × Hz | R | offered/s | absorbed/s | aggregator % core | µs/repo
 
 
 def _print_row(r: dict[str, Any]) -> None:
-    print(f"| {r['n']:,} × {r['hz']:g}{' hb' if r['kind'] == 'heartbeats' else ''} | {r['r']} | {r['offered']:,.0f} | {r['absorbed']:,.0f} | {r['agg_cpu']:.0f} "
+    kind = {0: " hb", 1: ""}.get(r["change_every"], f" 1/{r['change_every']}")
+    print(f"| {r['n']:,} × {r['hz']:g}{kind} | {r['r']} | {r['offered']:,.0f} | {r['absorbed']:,.0f} | {r['agg_cpu']:.0f} "
           f"| {r['us_per_report']:.0f} | {r['fol_cpu']:.1f} ({r['floor_cpu']:.1f}) | {r['deltas_s']:.0f} "
           f"| {r['p50']:.0f} / {r['p99']:.0f} | {r['bytes']:,.0f} | {r['cold_s']:.2f} |", flush=True)
 
@@ -408,8 +418,9 @@ def main() -> int:
     ap.add_argument("--followers", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--seconds", type=float, default=5.0, help="measured window per row")
     ap.add_argument("--emulators", type=int, default=2)
-    ap.add_argument("--heartbeats", action="store_true",
-                    help="reports repeat their first values (an idle fleet: liveness only, nothing to publish)")
+    ap.add_argument("--change-every", type=int, default=1, metavar="K",
+                    help="every K-th report of a worker carries new values, the others repeat them (heartbeats); "
+                         "0: heartbeats only (an idle fleet: nothing to publish). Rows are marked 1/K or hb")
     ap.add_argument("--real-actors", type=int, default=0, metavar="K",
                     help="instead: K real WorkerActors beside K bare async actors, the aggregator and one follower, "
                          "CPU of each over --seconds")
@@ -438,7 +449,7 @@ def main() -> int:
     try:
         for n in ns.workers:
             for hz in ns.hz:
-                run_cell(n, hz, ns.seconds, ns.emulators, sorted(ns.followers), ns.heartbeats)
+                run_cell(n, hz, ns.seconds, ns.emulators, sorted(ns.followers), ns.change_every)
     finally:
         ray.shutdown()
     print(f"\nload average at end {os.getloadavg()[0]:.2f}")

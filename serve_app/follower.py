@@ -117,6 +117,16 @@ class FleetFollower:
                 w.in_flight_by_replica, w.extra,  # freshly decoded: ours to keep
             )
             changed.append(w.name)
+        for u in delta.metrics:  # ranks alone changed: update the record we hold in place
+            rec = fresh.get(u.name)
+            if rec is None:
+                continue
+            ranks = [r.values() for r in u.ranks]
+            rec.ranks = ranks
+            rec.metrics = dict(ranks[0]) if len(ranks) == 1 else sum_ranks(ranks)
+            rec.metrics_at = now - u.metrics_age_s
+            rec.updated_at = wall
+            changed.append(u.name)
         if delta.names is not None:
             names = set(delta.names)
             for gone in [n for n in fresh if n not in names]:

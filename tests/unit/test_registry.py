@@ -85,13 +85,18 @@ def test_delta_carries_only_changed_workers_and_names_only_when_membership_chang
     first = reg.take_delta()
     assert sorted(w.name for w in first.workers) == ["a", "b"] and sorted(first.names) == ["a", "b"]
     assert reg.take_delta() is None  # nothing changed since
-    reg.report(batch("b", ranks={0: rank(2, active=5)}))
+    assert reg.report(batch("b", ranks={0: rank(2, active=5)}))  # new ranks are a change
     reg.report(batch("b", ranks={0: rank(3, active=6)}))  # coalesced: one entry, the newest
     d = reg.take_delta()
     assert not d.full and d.prev_version == first.version and d.version == reg.version
-    assert [w.name for w in d.workers] == ["b"]
-    assert metrics(d.workers[0])["request_active_slots"] == 6
+    assert d.workers == []  # its ranks alone changed: a short metrics entry, not the whole record
+    assert [m.name for m in d.metrics] == ["b"]
+    assert metrics(d.metrics[0])["request_active_slots"] == 6
     assert d.names is None  # membership unchanged: no name list
+    reg.report(batch("a", healthy=False, ranks={0: rank(2)}))
+    d = reg.take_delta()
+    assert [w.name for w in d.workers] == ["a"] and d.metrics == []  # more than ranks: the whole record
+    assert d.workers[0].state == "down"
 
 
 def test_snapshot_is_full_and_consistent_with_the_next_delta():
