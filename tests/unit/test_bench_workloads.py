@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 
 import pytest
@@ -116,13 +117,8 @@ _ROWS = [  # (ms, input tokens, output tokens, hash ids) shaped like the trace's
 ]
 
 
-def _common_prefix(a, b):
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+def _common_prefix(a, b) -> int:
+    return len(os.path.commonprefix([list(a), list(b)]))
 
 
 def test_mooncake_equal_hash_prefixes_iff_equal_token_prefixes(tmp_path):
@@ -174,8 +170,6 @@ def test_mooncake_seeds_share_nothing_and_slices_are_checked(tmp_path):
 
 def test_mooncake_real_trace_keeps_its_sharing():
     """On the shipped trace: the slice's shared-prefix structure survives the synthesis."""
-    import os
-
     from bench.workloads import load_mooncake, mooncake, mooncake_path
 
     if not os.path.exists(mooncake_path()):
