@@ -275,3 +275,19 @@ def test_replay_frames_follow_the_release(ctx, tmp_path, release, with_topic):
     else:
         assert batch[:2] == [b"", (0).to_bytes(8, "big")] and len(batch) == 3 and end == [b"", END_SEQ, b""]
     pub.close()
+
+
+def test_sim_cli_takes_sglangs_kv_events_config_and_encodes_as_its_release():
+    from sim.__main__ import build_parser, config_from_args
+
+    cfg = config_from_args(build_parser().parse_args([
+        "--port", "1", "--wire", "0.5.14", "--kv-events-config",
+        '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557", "topic": "kv-events", '
+        '"replay_endpoint": "tcp://127.0.0.1:5657", "bind": true, "buffer_steps": 7}']))
+    assert (cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint, cfg.kv_events_topic) == (
+        "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5657", "kv-events")
+    assert cfg.kv_events_bind is True and cfg.kv_events_buffer_steps == 7
+    assert cfg.events_encoding == "array"  # tagged arrays up to 0.5.18
+    assert not pub_binds(cfg.kv_events_endpoint, cfg.kv_events_bind, cfg.wire)  # 0.5.14 drops "bind"
+    later = config_from_args(build_parser().parse_args(["--port", "1", "--wire", "0.5.20"]))
+    assert later.events_encoding == "map"
