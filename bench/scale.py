@@ -1,9 +1,10 @@
 """Metrics-plane scale benchmark: N emulated workers → the real aggregator → R real followers.
 
 No engines: a few emulator actors each play many workers, every emulated worker sending what a
-`WorkerActor` sends (its report: registration, liveness and latest ranks) through the same code path
-and transport the real worker actors use, at `hz` reports per second (2 Hz = heartbeats only, an
-idle fleet; 10 Hz = a busy one). R follower hosts (Ray actors) each run a real `FleetFollower`
+`WorkerActor` sends (its `WorkerReport`: registration, liveness and latest ranks) through the same
+code path and transport the real worker actors use (an `AggregatorLink`, one per emulator, one
+`ReportBatch` frame per report), at `hz` reports per second: every report with new values (a busy
+fleet), or with `--change-every K` every K-th (0: heartbeats only, an idle fleet). R follower hosts (Ray actors) each run a real `FleetFollower`
 against the real aggregator, as a router replica does. Per cell (N, Hz) it prints, for R = 1 and
 then R = 4 (3 more followers started cold into the running fleet):
 
