@@ -74,6 +74,7 @@ class LedgerView(NamedTuple):
     recent_finished: int = 0  # requests finished within followup_window_s (follow-ups expected)
     prefilling_reported: int = 0  # absorbed by the last report, still before first token
     last_routed_at: float = 0.0  # when this replica last routed a request there (0 = never)
+    prefilling: int = 0  # this replica's in-flight requests not yet past first token
 
 
 class _Req:
@@ -90,12 +91,13 @@ class _Req:
 
 
 class _Worker:
-    __slots__ = ("in_flight", "prefill", "kv", "pending", "pending_kv", "prefilling_reported",
+    __slots__ = ("in_flight", "prefill", "prefill_n", "kv", "pending", "pending_kv", "prefilling_reported",
                  "queue", "reported_at", "gone", "gone_n", "gone_kv", "recent", "last_routed")
 
     def __init__(self) -> None:
         self.in_flight = 0
         self.prefill = 0  # all in-flight, not yet prefilled
+        self.prefill_n = 0  # how many requests that is
         self.kv = 0  # all in-flight
         self.pending = 0  # not absorbed by a report
         self.pending_kv = 0
@@ -157,6 +159,7 @@ class Ledger:
         w.in_flight += 1
         w.last_routed = now
         w.prefill += new
+        w.prefill_n += 1
         w.kv += new
         w.pending += 1
         w.pending_kv += new
@@ -174,6 +177,7 @@ class Ledger:
         if w is None:
             return
         w.prefill -= r.prefill
+        w.prefill_n -= 1
         if r.absorbed:
             w.prefilling_reported -= 1
         self._dirty.add(r.worker)
@@ -230,9 +234,10 @@ class Ledger:
             return LedgerView(0, 0, 0, 0, remote)
         if idle:
             return LedgerView(w.in_flight, w.in_flight, w.prefill, w.kv, remote, 0, 0, len(w.recent), 0,
-                              w.last_routed)
+                              w.last_routed, w.prefill_n)
         return LedgerView(w.in_flight, w.pending, w.prefill, w.pending_kv, remote,
-                          w.gone_n, w.gone_kv, len(w.recent), w.prefilling_reported, w.last_routed)
+                          w.gone_n, w.gone_kv, len(w.recent), w.prefilling_reported, w.last_routed,
+                          w.prefill_n)
 
     def in_flight(self, worker: str) -> int:
         w = self._workers.get(worker)
@@ -247,7 +252,7 @@ class Ledger:
         if idle:
             return WorkerView(v.name, v.url, v.state, v.page_size, 0, v.total_slots, 0, 0,
                               v.kv_total_blocks, *lv[:5], v.hot_blocks, lv.recent_finished,
-                              v.reused_blocks, lv.last_routed_at)
+                              v.reused_blocks, lv.last_routed_at, lv.prefilling)
         running, waiting, kv = v.running, v.waiting, v.kv_active_blocks
         if lv.finished:  # ended since the report: out of its running (then waiting) and KV figures
             gone = lv.finished
@@ -259,7 +264,7 @@ class Ledger:
             waiting = max(0, waiting - lv.prefilling_reported)
         return WorkerView(v.name, v.url, v.state, v.page_size, running, v.total_slots, waiting,
                           kv, v.kv_total_blocks, *lv[:5], v.hot_blocks, lv.recent_finished,
-                          v.reused_blocks, lv.last_routed_at)
+                          v.reused_blocks, lv.last_routed_at, lv.prefilling)
 
     def take_dirty(self) -> set[str]:
         """Workers whose ledger figures changed since the last call (rebuild only their views)."""
@@ -348,6 +353,7 @@ class Ledger:
         w.kv -= r.kv
         if not r.prefilled:
             w.prefill -= r.prefill
+            w.prefill_n -= 1
             if r.absorbed:
                 w.prefilling_reported -= 1
         if r.absorbed:  # the last report counts it: take it back out until a newer report

@@ -27,7 +27,7 @@ from serve_app.request_facts import FactsConfig, facts_from_body
 # the columns of each candidate in a decision-log line (`RouterConfig.decision_log`)
 DECISION_LOG_COLUMNS = ("state", "running", "waiting", "kv_active_blocks", "pending", "pending_prefill_blocks",
                         "pending_kv_blocks", "remote_pending", "in_flight", "hot_blocks", "reused_blocks",
-                        "overlap", "metrics_age_s")
+                        "overlap", "metrics_age_s", "prefilling")
 
 
 def base_view(rec: WorkerRecord, hot_blocks: int = 0, reused_blocks: int = 0) -> WorkerView:
@@ -194,7 +194,7 @@ class RouterCore:
             age = None if rec is None or rec.metrics_at is None else round(now - rec.metrics_at, 4)
             cand[v.name] = [v.state, v.running, v.waiting, v.kv_active_blocks, v.pending,
                             v.pending_prefill_blocks, v.pending_kv_blocks, v.remote_pending, v.in_flight,
-                            v.hot_blocks, v.reused_blocks, request.overlap.get(v.name, 0), age]
+                            v.hot_blocks, v.reused_blocks, request.overlap.get(v.name, 0), age, v.prefilling]
         self._dlog.write(json.dumps({"t": round(now, 4), "worker": decision.worker, "reason": decision.reason,
                                      "prompt_blocks": request.prompt_blocks, "w": cand}) + "\n")
 

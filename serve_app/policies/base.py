@@ -48,6 +48,9 @@ class WorkerView:
     reused_blocks: int = 0
     # ledger: when this replica last routed a request there (ledger clock; 0 = never)
     last_routed_at: float = 0.0
+    # ledger: this replica's requests there not yet past their first token (they share the next
+    # prefill batches with whatever is sent there now)
+    prefilling: int = 0
 
 
 @dataclass(frozen=True, slots=True)

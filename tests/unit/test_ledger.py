@@ -36,7 +36,7 @@ def ledger(clock: Clock) -> Ledger:
 def test_a_routed_request_counts_prefill_and_kv_until_it_ends(ledger):
     ledger.on_routed("r1", "w", prompt_blocks=40, cached_blocks=30)
     assert counts(ledger.view("w")) == LedgerView(in_flight=1, pending=1, pending_prefill_blocks=10,
-                                          pending_kv_blocks=10, remote_pending=0)
+                                          pending_kv_blocks=10, remote_pending=0, prefilling=1)
     ledger.on_first_token("r1")  # prefill done: KV stays held until the end
     assert counts(ledger.view("w")) == LedgerView(1, 1, 0, 10, 0)
     ledger.on_finished("r1")
@@ -84,7 +84,7 @@ def test_a_report_absorbs_dispatches_routed_before_it_minus_latency(ledger, cloc
     clock.t += 0.2
     ledger.on_report("w", at=clock.t)
     # both in the report now; their prefill still counts (a report never shows the work left)
-    assert counts(ledger.view("w")) == LedgerView(2, 0, 30, 0, 0, prefilling_reported=2)
+    assert counts(ledger.view("w")) == LedgerView(2, 0, 30, 0, 0, prefilling_reported=2, prefilling=2)
     ledger.on_first_token("old")
     ledger.on_first_token("recent")
     assert counts(ledger.view("w")) == LedgerView(2, 0, 0, 0, 0)
@@ -156,7 +156,7 @@ def test_idle_worker_counts_every_in_flight_request_even_absorbed_ones(ledger, c
     clock.t += 1
     ledger.on_report("w", at=clock.t)
     assert ledger.view("w").pending == 0
-    assert counts(ledger.view("w", idle=True)) == LedgerView(2, 2, 10, 16, 0)
+    assert counts(ledger.view("w", idle=True)) == LedgerView(2, 2, 10, 16, 0, prefilling=1)
 
 
 def test_apply_zeroes_an_idle_workers_stale_report_but_keeps_capacity_and_in_flight(ledger):

@@ -363,12 +363,28 @@ def test_kv_aware_config_is_frozen_and_validated():
         KvAwareConfig(prefill_weight=-1)
 
 
+def test_kv_aware_prices_the_delay_a_prompt_adds_to_the_batch_it_joins():
+    """w0 holds two short prompts before their first token, w1 one longer one with more blocks left:
+    by its own wait a 100-block prompt is cheaper on w0 (20 blocks ahead vs 40), but there it delays
+    two requests by its whole prefill, on w1 one — the sum of first-token times is lower on w1."""
+    from serve_app.policies.kv_aware import KvAware, KvAwareConfig
+
+    # (reused prefixes elsewhere on both: no turn-taking, the cheapest wins)
+    ws = [worker("w0", pending_prefill_blocks=20, prefilling=2, in_flight=2, reused_blocks=1),
+          worker("w1", pending_prefill_blocks=40, prefilling=1, in_flight=1, reused_blocks=1)]
+    r = req(tokens=1600)
+    assert KvAware(KvAwareConfig(cobatch_weight=0.0)).choose(r, ws, random.Random(0)).worker == "w0"
+    assert KvAware().choose(r, ws, random.Random(0)).worker == "w1"
+    costs = KvAware().costs(r, ws)
+    assert costs["w0"] - costs["w1"] == pytest.approx(4.0 * (20 - 40) + 4.0 * 100 * (2 - 1))
+
+
 def test_kv_aware_docstring_states_the_formula():
     import serve_app.policies.kv_aware as mod
 
     for term in ("prefill_weight", "queued_request_blocks", "kv_high_watermark", "tolerance",
                  "eviction_weight", "hot_blocks", "followup_weight", "recent_finished", "turn_tolerance",
-                 "reused_blocks", "last_routed_at"):
+                 "reused_blocks", "last_routed_at", "cobatch_weight", "prefilling", "kv_weight"):
         assert term in mod.__doc__
 
 
