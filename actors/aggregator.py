@@ -16,6 +16,7 @@ dropped. The PUB stream carries the fleet view (worker URLs and load), no secret
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
@@ -54,21 +55,31 @@ def _cluster_is_this_machine(ip: str) -> bool:
         return False
 
 
-def _remembered_ports() -> dict[str, list[int]]:
+def _token_id(token: str) -> str:
+    """Which aggregator a saved entry belongs to, without storing its token."""
+    return hashlib.sha256(token.encode()).hexdigest()[:16]
+
+
+def _remembered_ports(token: str) -> dict[str, list[int]]:
+    """The ports the previous incarnation of *this* aggregator listened on (same token: Ray
+    restarted it). A new aggregator (another token) takes new ports, so links of the old one see
+    their connection drop and ask Ray again — else they would push frames with a stale token."""
     try:
         from ray.experimental.internal_kv import _internal_kv_get
 
         raw = _internal_kv_get(_PORTS_KEY, namespace=NAMESPACE)
-        return json.loads(raw) if raw else {}
+        saved = json.loads(raw) if raw else {}
+        return saved.get("ports", {}) if saved.get("token") == _token_id(token) else {}
     except Exception:
         return {}
 
 
-def _remember_ports(ports: dict[str, list[int]]) -> None:
+def _remember_ports(token: str, ports: dict[str, list[int]]) -> None:
     try:
         from ray.experimental.internal_kv import _internal_kv_put
 
-        _internal_kv_put(_PORTS_KEY, json.dumps(ports).encode(), overwrite=True, namespace=NAMESPACE)
+        _internal_kv_put(_PORTS_KEY, json.dumps({"token": _token_id(token), "ports": ports}).encode(), overwrite=True,
+                         namespace=NAMESPACE)
     except Exception:
         logger.warning("could not remember the aggregator's ports; a restart will pick new ones")
 
@@ -106,7 +117,7 @@ class Aggregator:
         self._pub.setsockopt(zmq.SNDHWM, 1000)  # a follower this far behind is dropped from, then resyncs
         self._pub_raw = zmq.Socket.shadow(self._pub.underlying)
         self._ip = _node_ip()
-        self._ports = _remembered_ports()
+        self._ports = _remembered_ports(self._token)
         self._bound: dict[str, tuple[str, str]] = {}
         self._listen("127.0.0.1" if _cluster_is_this_machine(self._ip) else self._ip)
         self._pending = False  # the registry changed since the last published delta
@@ -125,7 +136,7 @@ class Aggregator:
             ports = [_bind(self._pull, host, old[0]), _bind(self._pub, host, old[1])]
             self._bound[host] = (f"tcp://{host}:{ports[0]}", f"tcp://{host}:{ports[1]}")
             self._ports[host] = ports
-            _remember_ports(self._ports)
+            _remember_ports(self._token, self._ports)
         return self._bound[host]
 
     # --- lifecycle (Ray calls) ----------------------------------------------------------------

@@ -204,3 +204,38 @@ def test_a_worker_whose_actor_dies_is_down_within_2s(agg, tmp_path):
         ray.get(agg.remove.remote(spec.name), timeout=10)
     # its last heartbeat (every 0.5 s) came before the kill: down_after_s (2 s) + one state tick
     assert down_after <= 2.0 + Settings().state_tick_s + 0.05, f"down {down_after:.2f} s after the actor died"
+
+
+def test_a_link_follows_a_new_aggregator_that_has_a_new_token(agg):
+    """A re-created (not restarted) aggregator has another token and other ports: a link's
+    connection drops, it asks Ray again, and its reports reach the new one."""
+    import ray
+
+    from actors.aggregator import get_or_create_aggregator, kill_aggregator
+    from actors.link import AggregatorLink
+    from actors.protocol import WorkerReport
+
+    async def main() -> tuple[str, str, float]:
+        link = AggregatorLink(lambda: asyncio.to_thread(get_or_create_aggregator), stale_s=0.5)
+        assert await link.ensure()
+        old = link.endpoints
+        await asyncio.to_thread(kill_aggregator)
+        new = await asyncio.to_thread(get_or_create_aggregator)
+        t0 = time.monotonic()
+        report = WorkerReport(name="relinked", url="http://127.0.0.1:9", page_size=1, incarnation="i", healthy=True)
+        while time.monotonic() - t0 < 20:
+            if await link.ensure():
+                link.push_reports([report])
+            names = await new.names.remote()
+            if "relinked" in names:
+                break
+            await asyncio.sleep(0.1)
+        took = time.monotonic() - t0
+        link.close()
+        await new.remove.remote("relinked")
+        return old.token, link.endpoints.token, took
+
+    old_token, new_token, took = asyncio.run(main())
+    assert new_token != old_token
+    assert took < 10, f"the link reached the new aggregator after {took:.1f} s"
+    ray.get(get_or_create_aggregator().ping.remote(), timeout=30)
