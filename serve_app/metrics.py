@@ -56,7 +56,7 @@ class _FleetCollector(Collector):
         age = self.core.follower.snapshot_age_s()
         snap = GaugeMetricFamily("kvroute_snapshot_age_seconds", "Time since the aggregator last answered")
         snap.add_metric([], -1.0 if age is None else age)
-        up = GaugeMetricFamily("kvroute_aggregator_reachable", "1 if the last long poll succeeded")
+        up = GaugeMetricFamily("kvroute_aggregator_reachable", "1 if the aggregator's snapshot stream is connected")
         up.add_metric([], 1.0 if self.core.follower.connected else 0.0)
         tok = CounterMetricFamily("kvroute_tokenize_failures", "Prompts the configured tokenizer or chat "
                                   "template refused (routed with approximate prefix affinity)")
