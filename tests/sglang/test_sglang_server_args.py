@@ -23,8 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def _fleets() -> list[tuple[str, dict]]:
     """Every fleet kvroute's examples and docs show, as (where, mapping)."""
     out = [(p.name, yaml.safe_load(p.read_text())) for p in sorted((ROOT / "examples").glob("*.yaml"))]
-    for doc in ("docs/deploying.md", "README.md"):
-        for i, block in enumerate(re.findall(r"```yaml\n(.*?)```", (ROOT / doc).read_text(), re.S)):
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        doc = str(path.relative_to(ROOT))
+        for i, block in enumerate(re.findall(r"```yaml\n(.*?)```", path.read_text(), re.S)):
             try:
                 raw = yaml.safe_load(block)
             except yaml.YAMLError:
