@@ -83,7 +83,8 @@ class RouterCore:
         self._remote: dict[str, dict[str, int]] = {}  # other replica → {worker: pending}
         follower.on_update = self._on_fleet_update
         self._clock = clock
-        self._dlog = open(config.decision_log, "a", buffering=1 << 16) if config.decision_log else None  # noqa: SIM115
+        # line-buffered: a diagnostic log must hold every decision up to the moment it is read
+        self._dlog = open(config.decision_log, "a", buffering=1) if config.decision_log else None  # noqa: SIM115
 
     # --- fleet view ---------------------------------------------------------------------------
 

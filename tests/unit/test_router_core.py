@@ -107,3 +107,22 @@ def test_requests_that_ended_since_the_last_report_are_not_load():
         core.ledger.on_finished(f"r{i}")
     after = {v.name: (v.running, v.kv_active_blocks) for v in core.views()}
     assert all(r == 0 for r, _ in after.values()), after
+
+
+def test_the_decision_log_holds_every_decision_with_each_candidates_view(tmp_path):
+    import json
+
+    from serve_app.router import DECISION_LOG_COLUMNS
+
+    path = tmp_path / "decisions.jsonl"
+    core, clock = make_core(2, decision_log=str(path))
+    report(core, clock, "w1", num_requests_waiting=3)
+    first = route(core, clock, chat("sys " * 50, "q1"), "r1")
+    route(core, clock, chat("sys " * 50, "q2"), "r2")
+    lines = [json.loads(x) for x in path.read_text().splitlines()]  # nothing held back in a buffer
+    assert len(lines) == 2
+    assert lines[0]["worker"] == first and lines[0]["reason"]
+    cand = {w: dict(zip(DECISION_LOG_COLUMNS, v)) for w, v in lines[0]["w"].items()}
+    assert set(cand) == {"w0", "w1"} and cand["w1"]["waiting"] == 3 and cand["w1"]["state"] == "live"
+    second = {w: dict(zip(DECISION_LOG_COLUMNS, v)) for w, v in lines[1]["w"].items()}
+    assert second[first]["in_flight"] == 1 and second[first]["prefilling"] == 1  # r1, before its first token
