@@ -38,7 +38,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -52,6 +51,9 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from bench.loadgen import Target
+from bench.sglang_peer import (NODELAY_BY_DEFAULT, NODELAY_SUFFIX, SGLANG_COMMON_FLAGS, SGLANG_NODELAY_NOTE,
+                               SGLANG_POLICIES, SGLANG_ROUTER_FLAGS,
+                               SGLANG_STALL_NOTE, _sglang_router_version, sglang_router_argv)
 from serve_app.config import RouterConfig
 from serve_app.proxy import UpstreamClient, UpstreamError, forward_headers
 from serve_app.ray_env import apply_serve_env
@@ -70,33 +72,6 @@ PREFIX_ROUTER_CLASS = (
 STREAM_BATCHING_MS = RouterConfig.model_fields["stream_batching_interval_ms"].default
 STREAM_BATCHING_S = STREAM_BATCHING_MS / 1e3
 KVROUTE_POLICIES = ("round_robin", "power_of_two", "least_loaded", "kv_aware")
-SGLANG_POLICIES = ("round_robin", "cache_aware", "power_of_two")
-# The flags every sglang-router target runs with, besides addresses: the policy and the defaults
-# its docs recommend (named so the report can say exactly what ran), quiet logs. Same for the
-# nodelay variants. power_of_two polls the workers' `GET /get_load` every
-# `--worker-startup-check-interval` seconds (its LoadMonitor's interval), which SGLang 0.5.23 no longer has.
-SGLANG_ROUTER_FLAGS: dict[str, tuple[str, ...]] = {
-    "round_robin": ("--policy", "round_robin"),
-    "cache_aware": ("--policy", "cache_aware", "--cache-threshold", "0.3", "--balance-abs-threshold", "64",
-                    "--balance-rel-threshold", "1.5", "--eviction-interval-secs", "60",
-                    "--max-tree-size", str(2**26)),
-    "power_of_two": ("--policy", "power_of_two", "--worker-startup-check-interval", "30"),
-}
-SGLANG_COMMON_FLAGS = ("--log-level", "warn")
-NODELAY_SUFFIX = "-nodelay"
-# nodelay variants started when every target is (no --targets list); the others only when named
-NODELAY_BY_DEFAULT = ("cache_aware",)
-SGLANG_STALL_NOTE = (
-    "sglang-router {version} never sets TCP_NODELAY on the client connections it accepts (axum_server's "
-    "default): on a keep-alive connection reused within ~40 ms, a streamed reply's first body bytes wait for "
-    "the client's delayed ACK (~40 ms on Linux) — a TCP floor on TTFT at low concurrency, not routing cost. "
-    "See the `-nodelay` row for its routing cost without the stall"
-)
-SGLANG_NODELAY_NOTE = (
-    "The same sglang-router {version} binary and flags with TCP_NODELAY forced on every accepted socket "
-    "(LD_PRELOAD shim wrapping accept/accept4, bench/nodelay/nodelay.c, built at run time): what users get "
-    "once the peer sets TCP_NODELAY"
-)
 PREFIX_NOTES = (
     "Ray Serve LLM PrefixCacheAffinityRouter (ray 2.60, default kwargs: imbalanced_threshold=inf, "
     "match_rate_threshold=0.1) routing among 4 replicas of a pass-through engine deployment, one "
@@ -230,22 +205,6 @@ class PrefixIngress:
 
 
 # ------------------------------------------------------------------ the fleet and every router
-
-
-def sglang_router_argv(policy: str, port: int, urls: tuple[str, ...], prometheus_port: int) -> list[str]:
-    """How a sglang-router target is started (the nodelay variant adds only LD_PRELOAD)."""
-    return [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls,
-            *SGLANG_ROUTER_FLAGS[policy], "--host", "127.0.0.1", "--port", str(port),
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port), *SGLANG_COMMON_FLAGS]
-
-
-def _sglang_router_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("sglang-router")
-    except PackageNotFoundError:
-        return "?"
 
 
 def free_port() -> int:

@@ -1,4 +1,9 @@
-"""Shared fixtures: one local Ray cluster per test session (integration tests only)."""
+"""Shared fixtures: one local Ray cluster per test session (integration tests only).
+
+Lanes: `tests/{actors,serve_app,sim,bench}` mirror the packages and never start Ray; everything
+under `tests/integration` and `tests/e2e` is marked `ray` here, so `pytest -m "not ray"` is the
+fast lane and `pytest` the whole suite.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,16 @@ import pytest
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+_RAY_DIRS = ("integration", "e2e")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        parts = item.path.relative_to(config.rootpath).parts
+        if len(parts) > 1 and parts[0] == "tests" and parts[1] in _RAY_DIRS:
+            item.add_marker(pytest.mark.ray)
 
 
 def free_port() -> int:

@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 
 from bench.nodelay import shim_path
-from bench.targets import sglang_router_argv
+from bench.sglang_peer import sglang_router_argv
 from sim.launch import free_port
 
 _SYS_PIDFD_OPEN, _SYS_PIDFD_GETFD = 434, 438  # x86_64 and aarch64 alike

@@ -13,7 +13,7 @@ from serve_app.config import RouterConfig
 from serve_app.prefix_index import KvEventIndex
 from serve_app.prompt_tokens import HfTokenizer, TokenizerError, body_token_ids, load_tokenizer
 from serve_app.request_facts import FactsConfig, facts_from_body
-from tests.unit.test_prefix_index import engine_events
+from tests.serve_app.test_prefix_index import engine_events
 
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {{ eos_token }} "

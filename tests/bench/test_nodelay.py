@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from bench.nodelay import shim_path
-from bench.targets import SGLANG_POLICIES, SGLANG_ROUTER_FLAGS, sglang_router_argv
+from bench.sglang_peer import SGLANG_POLICIES, SGLANG_ROUTER_FLAGS, sglang_router_argv
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None, reason="no C compiler")
 
