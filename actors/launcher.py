@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import sys
@@ -41,10 +42,27 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+# Ports for managed engines (HTTP) and the KV-event sockets kvroute places, picked outside the
+# kernel's ephemeral range (32768-60999 by default): a port-0 pick there can be taken as the source
+# port of any outgoing connection (Ray's gRPC clients open many at start) before the engine binds
+# it — the engine then fails with "address already in use" on every restart. Below the HAProxy
+# (20000-27999) and Serve direct-ingress (28000-29999) ranges of serve_app.ray_env.
+PORT_RANGE = (12000, 19999)
+
+
+def free_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
+    """A TCP port in `PORT_RANGE` that was free on `host` a moment ago."""
+    rng = rng or random.Random()
+    lo, hi = PORT_RANGE
+    for _ in range(200):
+        port = rng.randint(lo, hi)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise LaunchError(f"no free port on {host} in {lo}-{hi}")
 
 
 def _flags(args: dict[str, Any]) -> list[str]:
