@@ -24,6 +24,7 @@ import logging
 import os
 import platform
 import random
+import re
 import subprocess
 import sys
 import time
@@ -35,6 +36,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import machine, report  # noqa: E402
+from bench import profile as bench_profile  # noqa: E402
 from bench.cpu import CpuMeter, router_side_cpu_s  # noqa: E402
 from bench.loadgen import Target, chat_body, run_closed, run_trace  # noqa: E402
 from bench.workloads import make_trace, trace_digest  # noqa: E402
@@ -219,6 +221,16 @@ def target_app(name: str) -> str | None:
     return None
 
 
+def _profiler(profile: Path | None, target: Target, stem: str) -> bench_profile.Recorder | None:
+    """With --profile: py-spy on a Serve-hosted target's router replica for the trial (sglang-router
+    is a Rust binary: its CPU is measured, not profiled)."""
+    app = target_app(target.name)
+    if profile is None or app is None:
+        return None
+    pid = bench_profile.find_pid(rf"ServeReplica:{re.escape(app)}:")
+    return None if pid is None else bench_profile.Recorder(pid, profile / f"{stem}.txt")
+
+
 async def _poll(meter: CpuMeter, every_s: float = 5.0) -> None:
     while True:
         await asyncio.sleep(every_s)
@@ -226,7 +238,7 @@ async def _poll(meter: CpuMeter, every_s: float = 5.0) -> None:
 
 
 async def run_trials(fleet: Any, targets: list[Target], suite: dict[str, Any], base_seed: int, progress,
-                     dump: Path | None = None) -> list[dict]:
+                     dump: Path | None = None, profile: Path | None = None) -> list[dict]:
     import httpx
 
     trials: list[dict] = []
@@ -253,6 +265,7 @@ async def run_trials(fleet: Any, targets: list[Target], suite: dict[str, Any], b
                 await fleet.poke(admin)
                 await asyncio.sleep(suite.get("settle_s", 0.1))  # the fresh reports reach the routers
                 before = await fleet.stats(admin)
+                recorder = _profiler(profile, target, f"{workload}-{rate:g}-{target.name}-rep{rep}")
                 meter.start()
                 poller = asyncio.create_task(_poll(meter))
                 try:
@@ -260,6 +273,8 @@ async def run_trials(fleet: Any, targets: list[Target], suite: dict[str, Any], b
                 finally:
                     poller.cancel()
                 cpu = meter.stop()
+                if recorder is not None and (raw := recorder.stop()) is not None:
+                    raw.with_suffix(".top.txt").write_text(bench_profile.summarize(raw))
                 after = await fleet.stats(admin)
                 if dump is not None:
                     with open(dump / f"{workload}-{rate:g}-{target.name}-rep{rep}.jsonl", "w") as f:
@@ -351,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
                          "default-mode routers' affinity off (see bench/results/quick-kv-events.md)")
     ap.add_argument("--kv", action="append", default=[], metavar="KNOB=VALUE",
                     help="a kv_aware knob for every kvroute target (development only), e.g. --kv live_weight=0")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="record every Serve-hosted target's router replica with py-spy during its trials; "
+                         "raw stacks and their top entries go to DIR (see bench/profile.py)")
     ap.add_argument("--dump", default=None, metavar="DIR",
                     help="write every request's result (per trial) and every kvroute decision (router "
                          "decision_log, one file per kvroute target) as JSON lines to DIR, for diagnosis")
@@ -432,7 +450,10 @@ def main(argv: list[str] | None = None) -> int:
         doc["startup_s"] = round(time.monotonic() - t0, 1)
         doc["targets"] = [{"name": t.name, "label": t.label, "notes": t.notes} for t in targets]
         progress(f"fleet and {len(targets)} targets up in {doc['startup_s']} s: {', '.join(t.name for t in targets)}")
-        trials = asyncio.run(run_trials(fleet, targets, suite, ns.seed, progress, dump))
+        profile = Path(ns.profile).resolve() if ns.profile else None
+        if profile is not None:
+            profile.mkdir(parents=True, exist_ok=True)
+        trials = asyncio.run(run_trials(fleet, targets, suite, ns.seed, progress, dump, profile))
         if not ns.no_overhead:
             overhead = asyncio.run(run_overhead(targets, suite["overhead"], ns.seed, progress))
     finally:

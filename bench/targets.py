@@ -208,7 +208,7 @@ class PrefixIngress:
 
 
 def free_port() -> int:
-    from sim.launch import free_port as fp
+    from actors.launcher import free_port as fp  # outside the ephemeral range (see there)
 
     return fp()
 
