@@ -30,16 +30,16 @@ import ray
 import zmq
 import zmq.asyncio
 
-from actors.models import Settings
+from actors.models import NAMESPACE, Settings
 from actors.protocol import (
-    MAX_INGEST_FRAME_BYTES, Endpoints, InFlightShare, ProtocolError, decode_ingest, encode_delta,
+    MAX_INGEST_FRAME_BYTES, AggregatorStats, Endpoints, InFlightShare, ProtocolError, decode_ingest,
+    encode_delta,
 )
 from actors.registry import FleetRegistry
 
 logger = logging.getLogger("kvroute.aggregator")
 
 AGGREGATOR_NAME = "kvroute-aggregator"
-NAMESPACE = "kvroute"
 _PORTS_KEY = b"kvroute-aggregator-ports"  # Ray internal KV: where the last incarnation listened
 _DRAIN_BATCH = 4096
 
@@ -166,12 +166,12 @@ class Aggregator:
     async def ping(self) -> str:
         return self._registry.epoch
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> AggregatorStats:
         """Counters for benchmarks and diagnosis."""
-        return {"pid": os.getpid(), "epoch": self._registry.epoch, "workers": len(self._registry),
-                "version": self._registry.version, "reports": self.reports, "in_flight_shares": self.shares,
-                "refused": dict(self.refused), "published": self.published,
-                "published_bytes": self.published_bytes, "endpoints": dict(self._bound)}
+        return AggregatorStats(pid=os.getpid(), epoch=self._registry.epoch, workers=len(self._registry),
+                               version=self._registry.version, reports=self.reports, in_flight_shares=self.shares,
+                               refused=dict(self.refused), published=self.published,
+                               published_bytes=self.published_bytes, endpoints=dict(self._bound))
 
     # --- hot path (ZeroMQ) --------------------------------------------------------------------
 

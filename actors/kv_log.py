@@ -14,6 +14,7 @@ from collections import deque
 from typing import Any
 
 from actors.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from actors.protocol import KvLogAnswer, KvLogEntry
 
 
 class KvLog:
@@ -21,7 +22,7 @@ class KvLog:
         self.epoch = uuid.uuid4().hex[:12]
         self.seq = 0
         self.max_blocks = max_blocks
-        self._log: deque[tuple[int, int, tuple[KvEvent, ...]]] = deque(maxlen=max_entries)
+        self._log: deque[KvLogEntry] = deque(maxlen=max_entries)
         # rank → engine block hash → (parent hash, token ids, block size); insertion order = parents first
         self._blocks: dict[int, dict[int, tuple[int | None, tuple[Any, ...], int]]] = {}
         self.dropped_blocks = 0
@@ -45,28 +46,28 @@ class KvLog:
             elif isinstance(ev, AllBlocksCleared):
                 blocks.clear()
         self.seq += 1
-        self._log.append((self.seq, rank, events))
+        self._log.append(KvLogEntry(self.seq, rank, events))
         return self.seq
 
     def lose_rank(self, rank: int) -> int:
         """The engine's stream had a gap or restarted: forget the rank (followers clear it too)."""
         return self.apply(rank, (AllBlocksCleared(),))
 
-    def since(self, epoch: str | None, seq: int) -> dict[str, Any]:
+    def since(self, epoch: str | None, seq: int) -> KvLogAnswer:
         """Entries after `seq`, or (other epoch / cursor older than the log) the whole state."""
-        oldest = self._log[0][0] if self._log else self.seq + 1
+        oldest = self._log[0].seq if self._log else self.seq + 1
         if epoch == self.epoch and seq >= oldest - 1:
-            entries = [(s, r, ev) for s, r, ev in self._log if s > seq]
-            return {"epoch": self.epoch, "seq": self.seq, "full": False, "entries": entries}
-        return {"epoch": self.epoch, "seq": self.seq, "full": True, "entries": self.state_entries()}
+            entries = [e for e in self._log if e.seq > seq]
+            return KvLogAnswer(epoch=self.epoch, seq=self.seq, full=False, entries=entries)
+        return KvLogAnswer(epoch=self.epoch, seq=self.seq, full=True, entries=self.state_entries())
 
-    def state_entries(self) -> list[tuple[int, int, tuple[KvEvent, ...]]]:
+    def state_entries(self) -> list[KvLogEntry]:
         out = []
         for rank, blocks in self._blocks.items():
             events = tuple(
                 BlockStored((h,), parent, tokens, bs) for h, (parent, tokens, bs) in blocks.items()
             )
-            out.append((self.seq, rank, events))
+            out.append(KvLogEntry(self.seq, rank, events))
         return out
 
     def blocks(self, rank: int = 0) -> int:

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import httpx
 
 from actors.fleet import WorkerSpec
+from actors.protocol import ManagedEngine
 
 logger = logging.getLogger("kvroute.launcher")
 
@@ -131,9 +132,10 @@ class ProcessStatus:
     detail: str = ""
     history: list[str] = field(default_factory=list)
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"process": self.state, "pid": self.pid, "restarts": self.restarts,
-                "last_exit": self.last_exit, "detail": self.detail}
+    def report(self) -> ManagedEngine:
+        """The status as the worker actor reports it (to the aggregator, and from `ready()`)."""
+        return ManagedEngine(process=self.state, pid=self.pid, restarts=self.restarts, last_exit=self.last_exit,
+                             detail=self.detail[-4000:])
 
 
 class ManagedProcess:

@@ -1,5 +1,6 @@
-"""The messages of the metrics plane, as msgspec Structs: what worker actors and router replicas
-push to the aggregator, and the fleet deltas it publishes to router replicas.
+"""Every message between kvroute's processes, as msgspec Structs: what worker actors and router
+replicas push to the aggregator, the fleet deltas it publishes to router replicas, the KV-log
+answers a worker actor gives router replicas, and what the actors' lifecycle calls return.
 
 Every frame that crosses a socket is msgpack, encoded and decoded here with msgspec's typed
 decoders: a frame that is not exactly one of these messages (wrong type, unknown field, negative
@@ -16,6 +17,7 @@ from typing import Annotated, Any, Union
 
 import msgspec
 
+from actors.kv_events import KvEvent
 from actors.models import KV_METRICS_FIELDS
 
 assert KV_METRICS_FIELDS == (
@@ -65,6 +67,36 @@ class RankMetrics(msgspec.Struct, array_like=True, frozen=True, gc=False):
         }
 
 
+ShortText = Annotated[str, msgspec.Meta(max_length=4096)]
+
+
+class ManagedEngine(msgspec.Struct, array_like=True, frozen=True):
+    """The engine process a worker actor manages (managed mode only)."""
+
+    process: Annotated[str, msgspec.Meta(max_length=32)]  # starting | running | restarting | failed | stopped
+    pid: Count | None = None
+    restarts: Count = 0
+    last_exit: int | None = None
+    detail: ShortText = ""
+
+
+class KvHandshakeSide(msgspec.Struct, array_like=True, frozen=True):
+    """How one DP rank's KV-event stream is met: which side kvroute takes (bind | connect), where."""
+
+    rank: Count
+    kvroute: Annotated[str, msgspec.Meta(max_length=16)]
+    address: Annotated[str, msgspec.Meta(max_length=1024)]
+
+
+class KvEventsStatus(msgspec.Struct, array_like=True, frozen=True):
+    """A worker actor's KV-event subscription (exact prefix mode), as /workers shows it."""
+
+    status: Annotated[str, msgspec.Meta(max_length=16)]  # waiting | ok | silent
+    handshake: Annotated[list[KvHandshakeSide], msgspec.Meta(max_length=1024)]
+    batches: Count
+    detail: ShortText = ""  # why the subscription is silent (only when it is)
+
+
 class WorkerReport(msgspec.Struct, array_like=True, frozen=True):
     """What a worker actor knows about its worker: registration, liveness and latest ranks.
     Every report is whole (no deltas), so a restarted aggregator is rebuilt by the next ones."""
@@ -76,7 +108,9 @@ class WorkerReport(msgspec.Struct, array_like=True, frozen=True):
     healthy: bool
     health_detail: str = ""
     ranks: list[RankMetrics] = []
-    extra: dict[str, Any] = {}  # managed-process status, KV-event subscription (issue 18 names these)
+    managed: ManagedEngine | None = None
+    kv_events_actor: Name | None = None  # the Ray actor (in NAMESPACE) whose `kv_since` routers follow
+    kv_events: KvEventsStatus | None = None
 
 
 class ReportBatch(msgspec.Struct, tag="r", array_like=True, frozen=True):
@@ -110,8 +144,10 @@ class WorkerUpdate(msgspec.Struct, array_like=True, frozen=True):
     heartbeat_age_s: float
     ranks: list[RankMetrics]
     in_flight_by_replica: dict[str, int]
-    extra: dict[str, Any]
     version: int
+    managed: ManagedEngine | None = None
+    kv_events_actor: str | None = None
+    kv_events: KvEventsStatus | None = None
 
 
 class MetricsUpdate(msgspec.Struct, array_like=True, frozen=True):
@@ -148,6 +184,49 @@ class Endpoints(msgspec.Struct, frozen=True):
     ingest: str
     publish: str
     token: str
+
+
+class KvLogEntry(msgspec.Struct, array_like=True, frozen=True):
+    """One batch of a rank's KV events, numbered in the worker actor's log."""
+
+    seq: int
+    rank: int
+    events: tuple[KvEvent, ...]
+
+
+class KvLogAnswer(msgspec.Struct, frozen=True):
+    """`WorkerActor.kv_since`'s answer: the entries after the asker's cursor, or (`full`) the whole
+    current state when the cursor is from another epoch or older than the retained log."""
+
+    epoch: str
+    seq: int
+    full: bool
+    entries: list[KvLogEntry]
+
+
+class WorkerReady(msgspec.Struct, frozen=True):
+    """`WorkerActor.ready()`: where the worker is (managed mode: once its engine answers /health)."""
+
+    name: str
+    url: str
+    metrics_endpoint: str
+    node_id: str | None
+    managed: ManagedEngine | None
+
+
+class AggregatorStats(msgspec.Struct, frozen=True):
+    """`Aggregator.stats()`: counters for benchmarks and diagnosis."""
+
+    pid: int
+    epoch: str
+    workers: int
+    version: int
+    reports: int
+    in_flight_shares: int
+    refused: dict[str, int]
+    published: int
+    published_bytes: int
+    endpoints: dict[str, tuple[str, str]]
 
 
 _ingest_encoder = msgspec.msgpack.Encoder()

@@ -11,10 +11,12 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 from actors.models import Settings, WorkerState, derive_state
-from actors.protocol import FleetDelta, MetricsUpdate, RankMetrics, WorkerReport, WorkerUpdate
+from actors.protocol import (
+    FleetDelta, KvEventsStatus, ManagedEngine, MetricsUpdate, RankMetrics, WorkerReport, WorkerUpdate,
+)
 
 
 @dataclass(slots=True)
@@ -27,7 +29,9 @@ class _Worker:
     health_detail: str
     heartbeat_at: float
     ranks: dict[int, tuple[RankMetrics, float]] = field(default_factory=dict)  # rank → (values, received at)
-    extra: dict[str, Any] = field(default_factory=dict)  # e.g. managed-process status
+    managed: ManagedEngine | None = None
+    kv_events_actor: str | None = None
+    kv_events: KvEventsStatus | None = None
     state: WorkerState = WorkerState.IDLE
     version: int = 0
     metrics_at: float | None = None  # newest rank's receive time (registry clock)
@@ -64,9 +68,10 @@ class FleetRegistry:
             changed = True
         w.heartbeat_at = now
         if w.url != r.url or w.page_size != r.page_size or w.healthy != r.healthy \
-                or w.health_detail != r.health_detail or w.extra != r.extra:
+                or w.health_detail != r.health_detail or w.managed != r.managed \
+                or w.kv_events_actor != r.kv_events_actor or w.kv_events != r.kv_events:
             w.url, w.page_size, w.healthy, w.health_detail = r.url, r.page_size, r.healthy, r.health_detail
-            w.extra = r.extra
+            w.managed, w.kv_events_actor, w.kv_events = r.managed, r.kv_events_actor, r.kv_events
             changed = True
         ranks_changed = False
         for m in r.ranks:
@@ -176,7 +181,8 @@ class FleetRegistry:
             health_detail=w.health_detail,
             metrics_age_s=None if w.metrics_at is None else max(0.0, now - w.metrics_at),
             heartbeat_age_s=max(0.0, now - w.heartbeat_at),
-            ranks=self._ranks(w), in_flight_by_replica=remote, extra=w.extra, version=w.version,
+            ranks=self._ranks(w), in_flight_by_replica=remote, version=w.version,
+            managed=w.managed, kv_events_actor=w.kv_events_actor, kv_events=w.kv_events,
         )
 
     @staticmethod

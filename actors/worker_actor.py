@@ -26,8 +26,8 @@ from actors.kv_handshake import KvEventsPlan, SilenceWatch, plan_subscription, r
 from actors.kv_log import KvLog
 from actors.launcher import LaunchError, ManagedProcess
 from actors.link import AggregatorLink
-from actors.models import Settings
-from actors.protocol import RankMetrics, WorkerReport
+from actors.models import NAMESPACE, Settings
+from actors.protocol import KvEventsStatus, KvHandshakeSide, KvLogAnswer, RankMetrics, WorkerReady, WorkerReport
 
 logger = logging.getLogger("kvroute.worker")
 
@@ -108,6 +108,7 @@ class WorkerActor:
                                     backoff_max_s=self.settings.reconnect_backoff_max_s)
         self._sock = bind_pull(self._ctx, self.name, self.endpoint, self.settings.max_frame_bytes)
         self.kv_log: KvLog | None = None
+        self._own_name: str | None = None
         self._kv_changed = asyncio.Event()
         self._kv_refused: dict[str, int] = {}
         self._kv_trackers: dict[int, SeqTracker] = {}
@@ -183,16 +184,14 @@ class WorkerActor:
         for plan in self._kv_plans:
             logger.info("worker %s: KV events %s", self.name, plan.describe())
 
-    def _kv_info(self) -> dict[str, Any]:
+    def _kv_info(self) -> KvEventsStatus:
         """What /workers shows about the KV-event subscription (slow-changing fields only)."""
-        info: dict[str, Any] = {
-            "status": self._kv_watch.state,
-            "handshake": [{"rank": p.rank, "kvroute": p.side, "address": p.address} for p in self._kv_plans],
-            "batches": self._kv_batches,
-        }
-        if self._kv_watch.state == "silent":
-            info["detail"] = self._silence_detail()
-        return info
+        return KvEventsStatus(
+            status=self._kv_watch.state,
+            handshake=[KvHandshakeSide(rank=p.rank, kvroute=p.side, address=p.address) for p in self._kv_plans],
+            batches=self._kv_batches,
+            detail=self._silence_detail() if self._kv_watch.state == "silent" else "",
+        )
 
     def _silence_detail(self) -> str:
         sides = {p.side for p in self._kv_plans}
@@ -221,13 +220,13 @@ class WorkerActor:
 
     # --- public methods -----------------------------------------------------------------------
 
-    async def ready(self) -> dict[str, Any]:
+    async def ready(self) -> WorkerReady:
         """Where the worker is; in managed mode only once its engine answers /health.
         Raises LaunchError if the engine cannot be started or never becomes healthy."""
         if self._launch is not None:
             await asyncio.shield(self._launch)
-        return {"name": self.name, "url": self.url, "metrics_endpoint": self.endpoint, "node_id": _node_id(),
-                "managed": self.proc.status.as_dict() if self.proc else None}
+        return WorkerReady(name=self.name, url=self.url or "", metrics_endpoint=self.endpoint, node_id=_node_id(),
+                           managed=self.proc.status.report() if self.proc else None)
 
     async def _start_process(self) -> None:
         assert self.proc is not None
@@ -253,12 +252,19 @@ class WorkerActor:
             "kv_events": None if self.kv_log is None else {
                 "seq": self.kv_log.seq, "blocks": self.kv_log.blocks(), "refused": dict(self._kv_refused),
                 "gaps": sum(t.gaps for t in self._kv_trackers.values()),
-                "replayed": self._kv_replayed, "endpoint": self.spec.kv_events_endpoint, **self._kv_info(),
+                "replayed": self._kv_replayed, "endpoint": self.spec.kv_events_endpoint,
+                **self._kv_stats_view(),
             },
         }
 
+    def _kv_stats_view(self) -> dict[str, Any]:
+        info = self._kv_info()
+        return {"status": info.status, "batches": info.batches,
+                "handshake": [{"rank": h.rank, "kvroute": h.kvroute, "address": h.address} for h in info.handshake],
+                **({"detail": info.detail} if info.detail else {})}
+
     @ray.method(enable_task_events=False)  # a long poll per router replica: no task-event bookkeeping
-    async def kv_since(self, epoch: str | None, seq: int, timeout_s: float = 5.0) -> dict[str, Any] | None:
+    async def kv_since(self, epoch: str | None, seq: int, timeout_s: float = 5.0) -> KvLogAnswer | None:
         """Long poll for router replicas: KV events after their cursor (or the whole state when the
         cursor is from another epoch or too old). None if this worker publishes no KV events."""
         if self.kv_log is None:
@@ -435,15 +441,17 @@ class WorkerActor:
     def _report(self) -> WorkerReport:
         page = self.spec.page_size
         ranks = [RankMetrics(**d) for d in self.book.ranks_report(page).values()]
+        kv = self.kv_log is not None  # routers follow this actor's KV log (exact prefix mode)
         return WorkerReport(name=self.name, url=self.url or "", page_size=page, incarnation=self.incarnation,
-                            healthy=self.healthy, health_detail=self.health_detail, ranks=ranks, extra=self._extra())
+                            healthy=self.healthy, health_detail=self.health_detail, ranks=ranks,
+                            managed=self.proc.status.report() if self.proc else None,
+                            kv_events_actor=self._actor_name() if kv else None,
+                            kv_events=self._kv_info() if kv else None)
 
-    def _extra(self) -> dict[str, Any]:
-        extra: dict[str, Any] = self.proc.status.as_dict() if self.proc else {}
-        if self.kv_log is not None:  # routers follow this actor's KV log (exact prefix mode)
-            extra["kv_events_actor"] = ray.get_runtime_context().get_actor_name()
-            extra["kv_events"] = self._kv_info()
-        return extra
+    def _actor_name(self) -> str:
+        if self._own_name is None:
+            self._own_name = ray.get_runtime_context().get_actor_name()
+        return self._own_name
 
     async def _push_loop(self) -> None:
         """The newest state at most every `push_interval_s` when something changed, else every
@@ -568,7 +576,7 @@ def start_worker_actor(
     `detached` + `get_if_exists`: idempotent from any router replica, outlives its creator."""
     opts: dict[str, Any] = {
         "name": f"{name_prefix}{spec.name}",
-        "namespace": "kvroute",
+        "namespace": NAMESPACE,
         "get_if_exists": get_if_exists,
         "num_gpus": spec.num_gpus,
         "num_cpus": spec.num_cpus,
@@ -585,13 +593,13 @@ def kill_worker_actors(prefix: str = WORKER_ACTOR_PREFIX, names: list[str] | Non
     """Stop and kill kvroute's named worker actors (all, or those of `names`). Returns the names."""
     killed = []
     for entry in ray.util.list_named_actors(all_namespaces=True):
-        name, ns = (entry["name"], entry["namespace"]) if isinstance(entry, dict) else (entry, "kvroute")
-        if ns != "kvroute" or not name.startswith(prefix):
+        name, ns = (entry["name"], entry["namespace"]) if isinstance(entry, dict) else (entry, NAMESPACE)
+        if ns != NAMESPACE or not name.startswith(prefix):
             continue
         if names is not None and name[len(prefix):] not in names:
             continue
         try:
-            handle = ray.get_actor(name, namespace="kvroute")
+            handle = ray.get_actor(name, namespace=NAMESPACE)
             try:
                 ray.get(handle.stop.remote(deregister=True), timeout=10)
             except Exception:

@@ -216,8 +216,8 @@ def run(workload: str, rate: float, duration_s: float, policy: str, *, seed: int
                                    kv_aware=kv_aware or {}, seed=seed), follower, "sim", clock=clock)
 
     def update(name: str, metrics: dict[str, Any] | None, produced: float | None, state: str) -> None:
-        follower.workers[name] = WorkerRecord(name, name, cfg.page_size, state, True, "", metrics,
-                                              [], produced, now, 0.0)
+        follower.workers[name] = WorkerRecord(name=name, url=name, page_size=cfg.page_size, state=state,
+                                              healthy=True, metrics=metrics, metrics_at=produced, heartbeat_at=now)
         core._on_fleet_update([name])
 
     for n in names:

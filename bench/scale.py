@@ -93,7 +93,7 @@ class Emulator:
         rank = {**VALUES, "num_requests_waiting": self.sent_us[name], "age_s": 0.0, "seq": self.seq[name]}
         return {"name": name, "url": f"http://127.0.0.1:1/{name}", "page_size": 16,
                 "incarnation": self.incarnation[name], "healthy": True, "health_detail": "ok",
-                "extra": {}, "ranks": {0: rank}}
+                "ranks": {0: rank}}
 
     async def _run(self) -> None:
         n = len(self.names)
@@ -251,14 +251,14 @@ def _window(agg: Any, agg_pid: int, emus: list[Any], hosts: list[Any], host_pids
         ray.get(h.take.remote())
     pids = [agg_pid, floor_pid, *host_pids]
     c0 = {p: _cpu_s(p) for p in pids}
-    r0 = ray.get(agg.stats.remote())["reports"]
+    r0 = ray.get(agg.stats.remote()).reports
     e0 = ray.get([e.counters.remote() for e in emus])
     before = [ray.get(h.take.remote()) for h in hosts]
     t0 = time.monotonic()
     time.sleep(seconds)
     dt = time.monotonic() - t0
     c1 = {p: _cpu_s(p) for p in pids}
-    r1 = ray.get(agg.stats.remote())["reports"]
+    r1 = ray.get(agg.stats.remote()).reports
     e1 = ray.get([e.counters.remote() for e in emus])
     took = ray.get([h.take.remote() for h in hosts])
     offered = sum(b["offered"] - a["offered"] for a, b in zip(e0, e1)) / dt  # sends made (a starved emulator skips)
@@ -287,12 +287,12 @@ def run_cell(n: int, hz: float, seconds: float, n_emulators: int, followers: lis
     sd = settings.model_dump()
     kill_aggregator()
     agg = get_or_create_aggregator(settings)
-    agg_pid = ray.get(agg.stats.remote())["pid"]
+    agg_pid = ray.get(agg.stats.remote()).pid
     base = time.time()
     names = [f"w{i:05d}" for i in range(n)]
     emus = [Emulator.remote(names[k::n_emulators], hz, base, sd, change_every) for k in range(n_emulators)]
     ray.get([e.start.remote() for e in emus])
-    _wait(lambda: ray.get(agg.stats.remote())["workers"] >= n, 60 + n / 100, f"{n} workers registered")
+    _wait(lambda: ray.get(agg.stats.remote()).workers >= n, 60 + n / 100, f"{n} workers registered")
     floor = FollowerHost.remote(base, sd)  # never started: an idle Ray actor's own CPU floor
     floor_pid = ray.get(floor.pid.remote())
     hosts: list[Any] = []
@@ -350,7 +350,7 @@ def real_actors(k: int, seconds: float, frame_hz: float = 0.0) -> dict[str, floa
                                      for i in range(k)]})
     kill_aggregator()
     agg = get_or_create_aggregator(fleet.settings)
-    agg_pid = ray.get(agg.stats.remote())["pid"]
+    agg_pid = ray.get(agg.stats.remote()).pid
     actors = [start_worker_actor(w, fleet.settings, name_prefix="scale-real-") for w in fleet.workers]
     ray.get([a.ready.remote() for a in actors])
     bare = [BareActor.remote() for _ in range(k)]
@@ -435,7 +435,9 @@ def main() -> int:
     print(f"# kvroute metrics-plane scale\n\nmachine: {platform.platform()}, {os.cpu_count()} cores, "
           f"Python {sys.version.split()[0]}, code {commit}, load average at start {os.getloadavg()[0]:.2f}")
     print(f"command: python -m bench.scale {' '.join(sys.argv[1:])}\n")
-    ray.init(namespace="kvroute", include_dashboard=False, log_to_driver=False)
+    from actors.models import NAMESPACE
+
+    ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
     if ns.real_actors:
         k, r = ns.real_actors, real_actors(ns.real_actors, ns.seconds, ns.frame_hz)
         plane = k * r["worker_actor"] + r["aggregator"] + r["follower"]

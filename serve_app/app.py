@@ -215,7 +215,7 @@ class KvRouter:
                 await asyncio.to_thread(kill_worker_actors, names=[spec.name])
                 return _error(400, f"worker {spec.name}: {str(exc).strip().splitlines()[-1][:300]}",
                               code="worker_failed", headers=None)
-            added.append({"name": spec.name, "url": info["url"], "metrics_endpoint": info["metrics_endpoint"]})
+            added.append({"name": spec.name, "url": info.url, "metrics_endpoint": info.metrics_endpoint})
         logger.info("fleet: added %s", ", ".join(a["name"] for a in added))
         return JSONResponse({"added": added})
 

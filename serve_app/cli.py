@@ -87,7 +87,7 @@ class FleetRunner:
                 info = ray.get(actor.ready.remote(), timeout=300)
             except Exception as exc:
                 raise FleetError(_explain(exc)) from None
-            self.progress(f"  worker {name}: metrics on {info['metrics_endpoint']}, http {info['url']}")
+            self.progress(f"  worker {name}: metrics on {info.metrics_endpoint}, http {info.url}")
         self.progress("starting the router (Ray Serve) …")
         serve.start(http_options={"host": self.host, "port": self.port})
         # this process owns the worker actors (they die with it); replicas need not create them

@@ -10,37 +10,57 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+import msgspec
 import zmq
 import zmq.asyncio
 
 from actors.models import sum_ranks
-from actors.protocol import MAX_DELTA_FRAME_BYTES, FleetDelta, ProtocolError, decode_delta
+from actors.protocol import (
+    MAX_DELTA_FRAME_BYTES, FleetDelta, KvEventsStatus, ManagedEngine, ProtocolError, decode_delta,
+)
+from actors.retry import Backoff, reconnecting
 
 logger = logging.getLogger("kvroute.follower")
 
 _DRAIN_BATCH = 256
 
 
-@dataclass(slots=True)
-class WorkerRecord:
-    """One worker as last reported, with ages turned into this replica's monotonic clock."""
+class WorkerRecord(msgspec.Struct, kw_only=True):
+    """One worker as last reported, with ages turned into this replica's monotonic clock.
+    Built with keywords only; a follower updates `ranks`, `metrics`, `metrics_at` and `updated_at`
+    in place when only the ranks changed."""
 
     name: str
     url: str
     page_size: int
-    state: str
+    state: str  # live | idle | down
     healthy: bool
-    health_detail: str
-    metrics: dict[str, Any] | None
-    ranks: list[dict[str, Any]]
-    metrics_at: float | None  # local monotonic time of the newest frame (None: never reported)
+    health_detail: str = ""
+    metrics: dict[str, Any] | None = None  # the ranks summed (one rank: its values)
+    ranks: list[dict[str, Any]] = []
+    metrics_at: float | None = None  # local monotonic time of the newest frame (None: never reported)
     heartbeat_at: float
-    updated_at: float  # wall clock when this replica applied the record (freshness measurements)
-    in_flight_by_replica: dict[str, int] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
+    updated_at: float = 0.0  # wall clock when this replica applied the record (freshness measurements)
+    in_flight_by_replica: dict[str, int] = {}
+    managed: ManagedEngine | None = None
+    kv_events_actor: str | None = None  # the worker actor to follow for KV events (exact prefix mode)
+    kv_events: KvEventsStatus | None = None
+
+    def managed_view(self) -> dict[str, Any] | None:
+        """What /workers shows as `managed`: the engine process, and the KV-event subscription."""
+        view: dict[str, Any] = {}
+        if self.managed is not None:
+            view.update(msgspec.structs.asdict(self.managed))
+        if self.kv_events_actor is not None:
+            view["kv_events_actor"] = self.kv_events_actor
+        if self.kv_events is not None:
+            kv = self.kv_events
+            view["kv_events"] = {"status": kv.status, "batches": kv.batches,
+                                 "handshake": [msgspec.structs.asdict(h) for h in kv.handshake],
+                                 **({"detail": kv.detail} if kv.detail else {})}
+        return view or None
 
 
 class _Resync(Exception):
@@ -109,12 +129,12 @@ class FleetFollower:
         for w in delta.workers:
             age = w.metrics_age_s
             ranks = [r.values() for r in w.ranks]
-            # positional: this runs for every worker of every delta (10,000/s at 1,000 workers × 10 Hz)
             fresh[w.name] = WorkerRecord(
-                w.name, w.url, w.page_size, w.state, w.healthy, w.health_detail,
-                (dict(ranks[0]) if len(ranks) == 1 else sum_ranks(ranks)), ranks,
-                None if age is None else now - age, now - w.heartbeat_age_s, wall,
-                w.in_flight_by_replica, w.extra,  # freshly decoded: ours to keep
+                name=w.name, url=w.url, page_size=w.page_size, state=w.state, healthy=w.healthy,
+                health_detail=w.health_detail, metrics=(dict(ranks[0]) if len(ranks) == 1 else sum_ranks(ranks)),
+                ranks=ranks, metrics_at=None if age is None else now - age, heartbeat_at=now - w.heartbeat_age_s,
+                updated_at=wall, in_flight_by_replica=w.in_flight_by_replica,  # freshly decoded: ours to keep
+                managed=w.managed, kv_events_actor=w.kv_events_actor, kv_events=w.kv_events,
             )
             changed.append(w.name)
         for u in delta.metrics:  # ranks alone changed: update the record we hold in place
@@ -140,37 +160,34 @@ class FleetFollower:
     # --- the stream ---------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        backoff = self.backoff_s
         ctx = zmq.asyncio.Context.instance()
-        while True:
-            sub = None
+        backoff = Backoff(self.backoff_s, self.backoff_max_s)
+
+        async def connect_and_follow() -> bool:
+            agg = await self._resolve()
+            ip = await asyncio.to_thread(_node_ip)
+            ep = await asyncio.wait_for(agg.endpoints.remote(ip), self.poll_timeout_s)
+            sub = ctx.socket(zmq.SUB)
             try:
-                agg = await self._resolve()
-                ip = await asyncio.to_thread(_node_ip)
-                ep = await asyncio.wait_for(agg.endpoints.remote(ip), self.poll_timeout_s)
-                sub = ctx.socket(zmq.SUB)
                 sub.setsockopt(zmq.LINGER, 0)
                 sub.setsockopt(zmq.RCVHWM, 10_000)
                 sub.setsockopt(zmq.MAXMSGSIZE, MAX_DELTA_FRAME_BYTES)
                 sub.setsockopt(zmq.SUBSCRIBE, b"")
                 sub.connect(ep.publish)  # before the snapshot: deltas after it queue up meanwhile
-                await self._follow(agg, sub)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # unreachable/restarting aggregator: keep routing on last view
-                if self.connected or self.last_error is None:
-                    logger.warning("aggregator unreachable (%s: %s); routing on last snapshot", type(exc).__name__, exc)
-                self.connected = False
-                self.last_error = f"{type(exc).__name__}: {str(exc)[:200]}"
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self.backoff_max_s)
-            else:
-                backoff = self.backoff_s
+                await self._follow(agg, sub, backoff)
             finally:
-                if sub is not None:
-                    sub.close(linger=0)
+                sub.close(linger=0)
+            return False
 
-    async def _follow(self, agg: Any, sub: zmq.asyncio.Socket) -> None:
+        def lost(exc: Exception) -> None:  # unreachable/restarting aggregator: keep routing on last view
+            if self.connected or self.last_error is None:
+                logger.warning("aggregator unreachable (%s: %s); routing on last snapshot", type(exc).__name__, exc)
+            self.connected = False
+            self.last_error = f"{type(exc).__name__}: {str(exc)[:200]}"
+
+        await reconnecting(connect_and_follow, backoff, on_error=lost)
+
+    async def _follow(self, agg: Any, sub: zmq.asyncio.Socket, backoff: Backoff) -> None:
         """A full snapshot, then deltas; a new epoch or a missed delta means a snapshot again.
         Raises when the stream goes silent (the caller re-resolves the aggregator)."""
         raw = zmq.Socket.shadow(sub.underlying)
@@ -181,6 +198,7 @@ class FleetFollower:
                 self.resyncs += 1
                 self._ok(len(frame))
                 self._changed(self.apply(decode_delta(frame)))
+                backoff.reset()
                 sync = False
             if not await sub.poll(self.silence_s * 1000):
                 raise TimeoutError(f"no delta or keep-alive from the aggregator in {self.silence_s} s")

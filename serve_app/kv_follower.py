@@ -7,6 +7,8 @@ import asyncio
 import logging
 from typing import Any, Awaitable, Callable
 
+from actors.protocol import KvLogAnswer
+from actors.retry import Backoff, reconnecting
 from serve_app.prefix_index import KvEventIndex
 
 logger = logging.getLogger("kvroute.kv_follower")
@@ -16,11 +18,12 @@ class KvFollower:
     """One long-poll task per publishing worker: `actor.kv_since(epoch, seq)` → `KvEventIndex`."""
 
     def __init__(self, index: KvEventIndex, resolve: Callable[[str], Awaitable[Any]], poll_timeout_s: float = 5.0,
-                 backoff_s: float = 0.2) -> None:
+                 backoff_s: float = 0.2, backoff_max_s: float | None = None) -> None:
         self.index = index
         self._resolve = resolve
         self.poll_timeout_s = poll_timeout_s
         self.backoff_s = backoff_s
+        self.backoff_max_s = backoff_s if backoff_max_s is None else backoff_max_s  # None: a fixed delay
         self._tasks: dict[str, asyncio.Task] = {}
         self.synced: set[str] = set()  # workers whose index entries are current (exact overlap applies)
         self.resyncs = 0
@@ -43,33 +46,34 @@ class KvFollower:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
 
-    def apply(self, worker: str, answer: dict[str, Any]) -> None:
+    def apply(self, worker: str, answer: KvLogAnswer) -> None:
         """Merge one `kv_since` answer (pure; used by the task and by tests)."""
-        if answer["full"]:
+        if answer.full:
             self.index.clear(worker)
             self.resyncs += 1
-        for _, rank, events in answer["entries"]:
-            self.index.apply(worker, events, rank)
+        for entry in answer.entries:
+            self.index.apply(worker, entry.events, entry.rank)
 
     async def _follow(self, worker: str, actor_name: str) -> None:
-        epoch: str | None = None
-        seq = 0
-        actor = None
-        while True:
-            try:
-                if actor is None:
-                    actor = await self._resolve(actor_name)
-                answer = await actor.kv_since.remote(epoch, seq, self.poll_timeout_s)
+        backoff = Backoff(self.backoff_s, self.backoff_max_s)
+
+        async def follow() -> bool:
+            """Long polls on the worker's actor, from a fresh cursor; True: it publishes no KV events."""
+            actor = await self._resolve(actor_name)
+            epoch: str | None = None
+            seq = 0
+            while True:
+                answer: KvLogAnswer | None = await actor.kv_since.remote(epoch, seq, self.poll_timeout_s)
                 if answer is None:
-                    return
+                    return True
                 self.apply(worker, answer)
-                epoch, seq = answer["epoch"], answer["seq"]
+                epoch, seq = answer.epoch, answer.seq
                 self.synced.add(worker)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # actor restarting or gone: stop claiming, resync when back
-                logger.info("worker %s: KV event follow failed (%s); resyncing", worker, type(exc).__name__)
-                self.synced.discard(worker)
-                self.index.clear(worker)
-                actor, epoch, seq = None, None, 0
-                await asyncio.sleep(self.backoff_s)
+                backoff.reset()
+
+        def lost(exc: Exception) -> None:  # actor restarting or gone: stop claiming, resync when back
+            logger.info("worker %s: KV event follow failed (%s); resyncing", worker, type(exc).__name__)
+            self.synced.discard(worker)
+            self.index.clear(worker)
+
+        await reconnecting(follow, backoff, on_error=lost)

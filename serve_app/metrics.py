@@ -41,10 +41,10 @@ class _FleetCollector(Collector):
         batches = CounterMetricFamily("kvroute_worker_kv_event_batches", "KV-event batches the worker's actor "
                                       "received (as of its last report)", labels=["worker"])
         for rec in self.core.follower.workers.values():
-            kv_info = rec.extra.get("kv_events")
-            if isinstance(kv_info, dict):
-                silent.add_metric([rec.name], 1.0 if kv_info.get("status") == "silent" else 0.0)
-                batches.add_metric([rec.name], float(kv_info.get("batches") or 0))
+            kv_info = rec.kv_events
+            if kv_info is not None:
+                silent.add_metric([rec.name], 1.0 if kv_info.status == "silent" else 0.0)
+                batches.add_metric([rec.name], float(kv_info.batches))
             m = rec.metrics or {}
             running.add_metric([rec.name], m.get("request_active_slots", 0))
             waiting.add_metric([rec.name], m.get("num_requests_waiting", 0))

@@ -104,7 +104,7 @@ class RouterCore:
                 continue
             if rec.metrics_at is not None:
                 self.ledger.on_report(name, rec.metrics_at)
-            actor_name = rec.extra.get("kv_events_actor")
+            actor_name = rec.kv_events_actor
             # exact mode only when prompts are tokenized like the engine: text-hashed blocks
             # never match the engine's token blocks, so following would erase all affinity
             if actor_name and self.kv_follower is not None and self.config.tokenizer != "none":
@@ -229,7 +229,7 @@ class RouterCore:
                     "in_flight": lv.in_flight + lv.remote_pending,
                     "in_flight_local": lv.in_flight,
                     "updated_at": rec.updated_at,
-                    "managed": rec.extra or None,
+                    "managed": rec.managed_view(),
                 }
             )
         return {"version": self.follower.version, "epoch": self.follower.epoch, "workers": workers}

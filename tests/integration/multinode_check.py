@@ -58,7 +58,7 @@ def main() -> None:
         serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "HeadOnly"})
         actors = {w.name: start_worker_actor(w, fleet.settings) for w in fleet.expanded()}
         infos = {n: ray.get(a.ready.remote(), timeout=120) for n, a in actors.items()}
-        out["workers"] = {n: {"node": i["node_id"], "endpoint": i["metrics_endpoint"]} for n, i in infos.items()}
+        out["workers"] = {n: {"node": i.node_id, "endpoint": i.metrics_endpoint} for n, i in infos.items()}
         serve.run(build_app({"fleet": fleet.model_dump(mode="json"), "manage_fleet": False,
                              "replica_resources": {"kvroute_head": 1}}), name="mn", route_prefix="/")
         actors_state = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
@@ -72,7 +72,7 @@ def main() -> None:
                          headers={"x-kvroute-policy": "round_robin"}) for i in range(6)]
         out["before"] = {"codes": [r.status_code for r in served],
                          "workers": sorted({r.headers.get("x-kvroute-worker") for r in served})}
-        victim = next(n for n, i in infos.items() if i["node_id"] == gpu_a.node_id)
+        victim = next(n for n, i in infos.items() if i.node_id == gpu_a.node_id)
         cluster.remove_node(gpu_a)
         killed = time.monotonic()
         wait(lambda: {w["name"]: w for w in c.get("/workers").json()["workers"]}[victim]["state"] == "down", 20,

@@ -64,7 +64,7 @@ def test_overlap_comes_from_what_the_engine_holds_not_what_the_router_sent(env):
     c, infos, actors = env["client"], env["infos"], env["actors"]
     prompt = "an exact prefix routing probe about tulips and windmills " * 30
     # sent straight to k1, bypassing the router: only k1's KV events can tell the router about it
-    r = httpx.post(f"{infos['k1']['url']}/v1/chat/completions", json=_body(prompt), timeout=30)
+    r = httpx.post(f"{infos['k1'].url}/v1/chat/completions", json=_body(prompt), timeout=30)
     assert r.status_code == 200
     stats = wait_for(lambda: (s := ray.get(actors["k1"].stats.remote()))["kv_events"]["blocks"] > 10 and s, 10,
                      what="k1's actor holding the engine's blocks")
@@ -73,7 +73,7 @@ def test_overlap_comes_from_what_the_engine_holds_not_what_the_router_sent(env):
                  10, what="route to k1 by exact overlap")
     assert _overlap(d) >= 20  # the ~24-block prompt's blocks are cached on k1, and the router knows it
     # the engine drops its cache → AllBlocksCleared → the router stops claiming affinity
-    assert httpx.post(f"{infos['k1']['url']}/flush_cache", timeout=10).status_code == 200
+    assert httpx.post(f"{infos['k1'].url}/flush_cache", timeout=10).status_code == 200
     wait_for(lambda: _overlap(c.post("/route", json=_body(prompt)).json()) == 0, 10,
              what="affinity gone after the engine's cache was flushed")
     assert ray.get(actors["k1"].stats.remote())["kv_events"]["blocks"] == 0

@@ -655,7 +655,7 @@ def router(live, serve_port, tmp_path_factory):
     server = HealthServer()
     actor_spec = ray.get(live["actor"].ready.remote())
     fleet = parse_fleet({"workers": [
-        {"name": live["name"], "url": actor_spec["url"], "metrics_endpoint": live["endpoint"]},
+        {"name": live["name"], "url": actor_spec.url, "metrics_endpoint": live["endpoint"]},
         {"name": "hostile-clean", "url": server.url, "metrics_endpoint": f"ipc://{tmp}/clean.metrics"},
     ]})
     clean = start_worker_actor(fleet.workers[1], fleet.settings, name_prefix="hostile-frames-")

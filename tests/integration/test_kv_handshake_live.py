@@ -69,7 +69,7 @@ def test_both_sides_connecting_is_reported_as_silent_with_the_likely_cause(env):
     import ray
 
     c, actors, infos = env["client"], env["actors"], env["infos"]
-    _chat(infos["mismatch"]["url"])  # the engine now holds pages and says so in KvMetrics
+    _chat(infos["mismatch"].url)  # the engine now holds pages and says so in KvMetrics
     stats = wait_for(lambda: (s := ray.get(actors["mismatch"].stats.remote()))["kv_events"]["status"] == "silent"
                      and s, 15, what="mismatch flagged silent")
     assert stats["kv_events"]["batches"] == 0 and stats["kv_events"]["handshake"][0]["kvroute"] == "connect"
@@ -86,7 +86,7 @@ def test_a_late_subscriber_replays_what_the_engine_cached_before_it_existed(env)
     import ray
 
     actors, infos = env["actors"], env["infos"]
-    _chat(infos["late"]["url"], "a second prompt that is live, not replayed " * 10)
+    _chat(infos["late"].url, "a second prompt that is live, not replayed " * 10)
     stats = wait_for(lambda: (s := ray.get(actors["late"].stats.remote()))["kv_events"]["replayed"] > 0 and s, 15,
                      what="replay of batches published before the actor subscribed")
     assert stats["kv_events"]["handshake"][0] == {"rank": 0, "kvroute": "connect",

@@ -69,7 +69,7 @@ def test_hostile_frames_at_the_ingest_are_counted_and_never_reach_the_registry(a
     hostile = [pickle.dumps(Evil(), protocol=4), b"\x80\x05garbage", b"", b"\x00" * 70_000,
                msgspec.msgpack.encode({"name": "intruder-map"}),
                msgspec.msgpack.encode(["r", ep.token, [["intruder-neg", "u", 16, "i", True, "",
-                                                        [[-1, 1, 1, 1, 1, 0.1, 0.1, 0, 0.0, 1]], {}]]])]
+                                                        [[-1, 1, 1, 1, 1, 0.1, 0.1, 0, 0.0, 1]]]]])]
     for frame in hostile:
         sock.send(frame)
     sock.send(encode(ReportBatch(token="not-the-token", reports=[report("intruder-token")])))
@@ -79,7 +79,7 @@ def test_hostile_frames_at_the_ingest_are_counted_and_never_reach_the_registry(a
     wait_for(lambda: ok in ray.get(agg.names.remote(), timeout=10), 10, what="the honest report applied")
     after = ray.get(agg.stats.remote(), timeout=10)
     sock.close(linger=0)
-    refused = {k: after["refused"].get(k, 0) - before["refused"].get(k, 0) for k in ("malformed", "token", "multipart")}
+    refused = {k: after.refused.get(k, 0) - before.refused.get(k, 0) for k in ("malformed", "token", "multipart")}
     assert refused == {"malformed": 6, "token": 1, "multipart": 1}
     assert not [n for n in ray.get(agg.names.remote(), timeout=10) if n.startswith("intruder")]
     assert not target.exists()

@@ -40,7 +40,7 @@ def test_a_simulated_worker_sending_this_form_is_decoded_by_its_actor(managed, i
 
     actors, infos = managed
     name = f"form-{i}"
-    r = httpx.post(f"{infos[name]['url']}/v1/completions",
+    r = httpx.post(f"{infos[name].url}/v1/completions",
                    json={"model": "m", "prompt": "the quick brown fox " * 20, "max_tokens": 45}, timeout=30)
     assert r.status_code == 200
     stats = wait_for(lambda: (s := ray.get(actors[name].stats.remote()))["frames_accepted"] >= 2 and s, 10,
@@ -54,5 +54,5 @@ def test_a_simulated_worker_sending_this_form_is_decoded_by_its_actor(managed, i
 def test_managed_workers_report_their_process(managed):
     _, infos = managed
     for info in infos.values():
-        assert info["managed"]["process"] == "running" and info["managed"]["pid"] > 0
-        assert httpx.get(f"{info['url']}/health", timeout=5).status_code == 200
+        assert info.managed.process == "running" and info.managed.pid > 0
+        assert httpx.get(f"{info.url}/health", timeout=5).status_code == 200

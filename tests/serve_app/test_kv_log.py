@@ -16,20 +16,20 @@ def test_a_current_cursor_gets_only_new_entries():
     log = KvLog()
     log.apply(0, (stored([1, 2]),))
     first = log.since(None, 0)
-    assert first["full"] and first["seq"] == 1
+    assert first.full and first.seq == 1
     log.apply(0, (BlockRemoved((2,)),))
     inc = log.since(log.epoch, 1)
-    assert not inc["full"] and [e[0] for e in inc["entries"]] == [2]
+    assert not inc.full and [e.seq for e in inc.entries] == [2]
 
 
 def test_a_cursor_older_than_the_log_or_from_another_epoch_gets_the_whole_state():
     log = KvLog(max_entries=2)
     for i in range(5):
         log.apply(0, (stored([10 + i]),))
-    assert log.since(log.epoch, 1)["full"]
-    assert log.since("other", 5)["full"]
-    state = log.since("other", 5)["entries"]
-    assert sorted(ev.block_hashes[0] for _, _, evs in state for ev in evs) == [10, 11, 12, 13, 14]
+    assert log.since(log.epoch, 1).full
+    assert log.since("other", 5).full
+    state = log.since("other", 5).entries
+    assert sorted(ev.block_hashes[0] for e in state for ev in e.events) == [10, 11, 12, 13, 14]
 
 
 def test_removal_clear_and_lost_rank_shrink_the_state():

@@ -35,8 +35,8 @@ def report(core: RouterCore, clock: Clock, name: str, **metrics: Any) -> None:
              num_requests_waiting=0, gpu_cache_usage_perc=0.0, gpu_prefix_cache_hit_rate=0.0,
              data_parallel_rank=0)
     m.update(metrics)
-    core.follower.workers[name] = WorkerRecord(name, f"http://{name}", 16, "live", True, "", m, [],
-                                               clock.t, clock.t, 0.0)
+    core.follower.workers[name] = WorkerRecord(name=name, url=f"http://{name}", page_size=16, state="live",
+                                               healthy=True, metrics=m, metrics_at=clock.t, heartbeat_at=clock.t)
     core._on_fleet_update([name])
 
 
