@@ -14,6 +14,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from actors.protocol import Endpoints, InFlightShare, ReportBatch, WorkerReport, encode
+from actors.retry import Backoff
 
 logger = logging.getLogger("kvroute.link")
 
@@ -39,8 +40,7 @@ class AggregatorLink:
         self._resolve = resolve
         self._ctx = ctx or zmq.asyncio.Context.instance()
         self.hwm, self.stale_s, self.call_timeout_s = hwm, stale_s, call_timeout_s
-        self.backoff_s, self.backoff_max_s = backoff_s, backoff_max_s
-        self._backoff = backoff_s
+        self._backoff = Backoff(backoff_s, backoff_max_s)
         self._retry_at = 0.0
         self._client_ip = client_ip
         self.handle: Any = None  # the aggregator's Ray handle (lifecycle calls: remove, snapshot)
@@ -75,11 +75,10 @@ class AggregatorLink:
             self.endpoints = await asyncio.wait_for(self.handle.endpoints.remote(ip), self.call_timeout_s)
         except Exception as exc:
             self.handle = None
-            self._retry_at = now + self._backoff
-            self._backoff = min(self._backoff * 2, self.backoff_max_s)
+            self._retry_at = now + self._backoff.delay()  # never sleeps: a push loop must not block on us
             logger.warning("aggregator unreachable (%s: %s); retrying", type(exc).__name__, str(exc)[:200])
             return False
-        self._backoff = self.backoff_s
+        self._backoff.reset()
         self._open_socket(self.endpoints.ingest)
         return True
 

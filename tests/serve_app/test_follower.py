@@ -61,3 +61,39 @@ def test_a_full_snapshot_of_a_new_epoch_replaces_everything():
     new.report(report("b"))
     f.apply(new.snapshot())
     assert list(f.workers) == ["b"] and f.epoch == new.epoch
+
+
+def test_the_managed_process_and_kv_event_subscription_reach_the_record_by_name():
+    from actors.protocol import KvEventsStatus, KvHandshakeSide, ManagedEngine
+
+    reg = FleetRegistry(Settings(), clock=Clock())
+    f = FleetFollower(_none)
+    kv = KvEventsStatus(status="ok", handshake=[KvHandshakeSide(0, "bind", "tcp://127.0.0.1:5")], batches=3)
+    base = report("a")
+    reg.report(base)
+    f.apply(reg.take_delta())
+    assert f.workers["a"].kv_events_actor is None and f.workers["a"].managed_view() is None
+    import msgspec
+
+    reg.report(msgspec.structs.replace(base, managed=ManagedEngine(process="running", pid=7),
+                                       kv_events_actor="kvroute-worker-a", kv_events=kv))
+    assert f.apply(reg.take_delta()) == ["a"]  # a slow field changed: the whole record travels
+    rec = f.workers["a"]
+    assert rec.kv_events_actor == "kvroute-worker-a" and rec.kv_events == kv and rec.managed.pid == 7
+    assert rec.managed_view() == {  # what /workers shows, as before the fields were named
+        "process": "running", "pid": 7, "restarts": 0, "last_exit": None, "detail": "",
+        "kv_events_actor": "kvroute-worker-a",
+        "kv_events": {"status": "ok", "batches": 3,
+                      "handshake": [{"rank": 0, "kvroute": "bind", "address": "tcp://127.0.0.1:5"}]},
+    }
+
+
+def test_a_worker_record_is_built_with_keywords_only():
+    import pytest
+
+    from serve_app.follower import WorkerRecord
+
+    with pytest.raises(TypeError):
+        WorkerRecord("w", "u", 16, "live", True)  # noqa: the 11-positional form is gone
+    rec = WorkerRecord(name="w", url="u", page_size=16, state="live", healthy=True, heartbeat_at=1.0)
+    assert rec.metrics is None and rec.ranks == [] and rec.in_flight_by_replica == {}
