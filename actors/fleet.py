@@ -43,16 +43,24 @@ class WorkerSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str
+    name: str = Field(description="unique worker name (1-63 letters, digits, '_', '.', '-')")
     url: str | None = Field(None, description="HTTP base URL (managed mode: chosen if omitted)")
     metrics_endpoint: str | None = Field(
         None, description="ZMQ endpoint the worker actor BINDS a PULL on (SGLang connects)"
     )
-    page_size: int = Field(1, ge=1, le=4096)
+    page_size: int = Field(
+        1, ge=1, le=4096, description="the server's --page-size: converts SGLang's token counts to pages"
+    )
     # managed mode
-    engine: Literal["sim", "sglang"] | None = None
-    model: str | None = None
-    engine_args: dict[str, Any] = Field(default_factory=dict)
+    engine: Literal["sim", "sglang"] | None = Field(
+        None, description="managed mode: the worker actor launches this engine (unset = attach mode)"
+    )
+    model: str | None = Field(None, description="model path or name (required with engine: sglang)")
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="extra server flags, snake_case (tp_size → --tp-size); kvroute sets --host, --port, "
+        "--page-size, --enable-metrics and --kv-events-config itself",
+    )
     kv_events_endpoint: str | None = Field(
         None, description="the endpoint of SGLang's --kv-events-config, as given there (auto: managed mode picks "
         "a loopback/node port that the worker actor binds); who binds follows SGLang's own rule (actors.kv_handshake)",
@@ -64,9 +72,11 @@ class WorkerSpec(BaseModel):
         None, description="SGLang's replay_endpoint (a ROUTER SGLang binds); kvroute asks it for lost batches"
     )
     replicas: int = Field(1, ge=1, le=1024, description="expand into name-0 … name-(n-1)")
-    num_gpus: float = Field(0, ge=0)
-    num_cpus: float = Field(0, ge=0)
-    resources: dict[str, float] = Field(default_factory=dict)
+    num_gpus: float = Field(0, ge=0, description="GPUs the worker actor requests (= the engine's tp_size)")
+    num_cpus: float = Field(0, ge=0, description="CPUs the worker actor requests")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources the worker actor requests (e.g. sglang_slot)"
+    )
     node_id: str | None = Field(None, description="pin the worker's actor to this Ray node")
     host: str = Field(
         "auto", description="managed engines listen here; auto = 127.0.0.1 on a one-node Ray, else the node's IP"
@@ -139,8 +149,8 @@ class FleetSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    workers: list[WorkerSpec] = Field(min_length=1)
-    settings: Settings = Field(default_factory=Settings)
+    workers: list[WorkerSpec] = Field(min_length=1, description="the SGLang workers (at least one)")
+    settings: Settings = Field(default_factory=Settings, description="the metrics plane's thresholds")
 
     @model_validator(mode="after")
     def _unique(self) -> "FleetSpec":
@@ -167,7 +177,50 @@ class FleetSpec(BaseModel):
         return out
 
 
-def _describe(err: dict[str, Any], raw: Any) -> str:
+def _fields_of(tp: Any) -> list[str] | None:
+    """The keys a model (or dataclass) accepts, or None when `tp` is neither."""
+    import dataclasses
+
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return list(tp.model_fields)
+    if dataclasses.is_dataclass(tp):
+        return [f.name for f in dataclasses.fields(tp)]
+    return None
+
+
+def _model_at(model: type, loc: list[Any]) -> type | None:
+    """The model/dataclass type found by following `loc` (field names; list indices skipped)."""
+    import typing
+
+    tp: Any = model
+    for p in loc:
+        if isinstance(p, int):
+            continue
+        fields = getattr(tp, "model_fields", None)
+        if fields is not None and p in fields:
+            tp = fields[p].annotation
+        elif _fields_of(tp) is not None and p in (hints := typing.get_type_hints(tp)):
+            tp = hints[p]
+        else:
+            return None
+        tp = _unwrap(tp)
+    return tp if _fields_of(tp) is not None else None
+
+
+def _unwrap(tp: Any) -> Any:
+    """The model inside `Optional[X]`, `list[X]`, `X | str` … (the first one found), else `tp`."""
+    import typing
+
+    if _fields_of(tp) is not None:
+        return tp
+    for arg in typing.get_args(tp):
+        found = _unwrap(arg)
+        if _fields_of(found) is not None:
+            return found
+    return tp
+
+
+def _describe(err: dict[str, Any], raw: Any, model: type | None = None) -> str:
     loc = list(err["loc"])
     parts: list[str] = []
     node = raw
@@ -186,29 +239,44 @@ def _describe(err: dict[str, Any], raw: Any) -> str:
         except (IndexError, KeyError, TypeError):
             node = None
     where = ".".join(parts) or "file"
-    return f"{where}: {err['msg']}"
+    msg = err["msg"]
+    if err["type"] in ("extra_forbidden", "unexpected_keyword_argument") and model is not None:
+        # an unknown key: say so, with the keys valid at that place (a typo's fix is usually there)
+        import difflib
+
+        known = _fields_of(_model_at(model, loc[:-1]))
+        if known:
+            close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+            msg = (f"unknown key{f' (did you mean {close[0]!r}?)' if close else ''}; "
+                   f"valid here: {', '.join(known)}")
+    return f"{where}: {msg}"
 
 
-def parse_fleet(raw: Any, source: str = "fleet") -> FleetSpec:
-    """Validate an already-loaded fleet mapping. Raises FleetError naming entry and field."""
+def parse_fleet(raw: Any, source: str = "fleet", model: type[FleetSpec] = FleetSpec) -> FleetSpec:
+    """Validate an already-loaded fleet mapping as `model` (FleetSpec, or a subclass that adds
+    sections, e.g. serve_app.config.KvrouteConfig). Raises FleetError naming entry and field."""
     if not isinstance(raw, dict):
         raise FleetError(f"{source}: top level must be a mapping with a 'workers' list")
     try:
-        return FleetSpec.model_validate(raw)
+        return model.model_validate(raw)
     except ValidationError as exc:
-        lines = [_describe(e, raw) for e in exc.errors()]
+        lines = [_describe(e, raw, model) for e in exc.errors()]
         raise FleetError(f"{source}: invalid fleet file:\n  " + "\n  ".join(lines)) from None
 
 
-def load_fleet(path: str | Path) -> FleetSpec:
-    """Read and validate a fleet YAML file. Raises FleetError with file, entry and field."""
+def read_fleet_file(path: str | Path) -> Any:
+    """The YAML content of a fleet file, unvalidated. Raises FleetError if unreadable or not YAML."""
     p = Path(path)
     try:
         text = p.read_text()
     except OSError as exc:
         raise FleetError(f"{p}: cannot read fleet file: {exc.strerror}") from None
     try:
-        raw = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise FleetError(f"{p}: not valid YAML: {exc}") from None
-    return parse_fleet(raw, str(p))
+
+
+def load_fleet(path: str | Path, model: type[FleetSpec] = FleetSpec) -> FleetSpec:
+    """Read and validate a fleet YAML file as `model`. Raises FleetError with file, entry and field."""
+    return parse_fleet(read_fleet_file(path), str(path), model)

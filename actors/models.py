@@ -1,4 +1,4 @@
-"""Typed messages and settings of the metrics plane: KvMetrics, thresholds, worker states."""
+"""Typed messages and settings of the metrics plane: KvMetrics, its thresholds, worker states, the Ray namespace."""
 
 from __future__ import annotations
 
@@ -19,6 +19,11 @@ KV_METRICS_FIELDS: tuple[str, ...] = (
     "gpu_prefix_cache_hit_rate",
     "data_parallel_rank",
 )
+
+# The Ray namespace of every named kvroute actor (aggregator, worker actors) and of the drivers
+# that look them up (`kvroute serve|down`, router replicas). Defined once, here: `actors/` is the
+# lowest layer, so every other package can import it.
+NAMESPACE = "kvroute"
 
 INT64_MAX = 2**63 - 1  # SGLang's counts are C/torch int64s; anything larger is not a real report
 Count = Annotated[int, Field(ge=0, le=INT64_MAX, strict=True)]
@@ -54,7 +59,12 @@ class WorkerState(str, enum.Enum):
 
 
 class Settings(BaseModel):
-    """Every threshold and interval of kvroute in one place (one source of truth per number)."""
+    """The metrics plane's thresholds and intervals: worker actors, the aggregator, and the
+    followers that carry its snapshot to router replicas. The fleet file's `settings:` section.
+
+    The router's own knobs (policy, ledger, prefix index, breaker, upstream) are in
+    `serve_app.config.RouterConfig`; `serve_app.config.KvrouteConfig` is the whole tree.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -85,14 +95,16 @@ class Settings(BaseModel):
     aggregator_resources: dict[str, float] = Field(
         default_factory=dict, description="custom Ray resources the aggregator requests (e.g. kvroute_head)"
     )
-    # router
+    # followers (the aggregator → router replica long-poll) and every link to the aggregator
     snapshot_poll_timeout_s: float = Field(
         5.0, gt=0, description="Ray-call timeout of a follower's full snapshot (start and resync)"
     )
     follower_silence_s: float = Field(
         1.5, gt=0, description="no delta or keep-alive this long → the follower re-resolves the aggregator"
     )
-    reconnect_backoff_s: float = Field(0.1, gt=0, description="first retry delay to the aggregator")
+    reconnect_backoff_s: float = Field(
+        0.1, gt=0, description="first retry delay to the aggregator (worker actors' links, router followers)"
+    )
     reconnect_backoff_max_s: float = Field(0.5, gt=0, description="cap of that delay")
 
 

@@ -17,8 +17,19 @@ STATE_CODE = {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}
 
 @dataclass(frozen=True, slots=True)
 class BreakerConfig:
-    failures_to_open: int = 3  # consecutive upstream failures before a worker is skipped
-    open_s: float = 5.0  # how long it is skipped before one probe request is let through
+    """When a worker's breaker opens and for how long (`router.breaker` in the config tree)."""
+
+    failures_to_open: int = 3
+    """Consecutive upstream failures (refused connection, 5xx before the first byte, a stream
+    broken mid-way) that open a worker's breaker; connect timeouts never count."""
+    open_s: float = 5.0
+    """Seconds an open breaker keeps requests away from its worker before one probe is let through."""
+
+    def __post_init__(self) -> None:
+        if self.failures_to_open < 1:
+            raise ValueError(f"failures_to_open must be ≥ 1, got {self.failures_to_open}")
+        if not self.open_s > 0:
+            raise ValueError(f"open_s must be > 0, got {self.open_s}")
 
 
 @dataclass(slots=True)

@@ -12,8 +12,9 @@ import threading
 import time
 from typing import Any
 
-from actors.fleet import FleetError, FleetSpec, load_fleet, parse_fleet
-from serve_app.config import ADMIN_KEY_ENV, API_KEY_ENV, RouterConfig
+from actors.fleet import FleetError, FleetSpec, parse_fleet
+from actors.models import NAMESPACE
+from serve_app.config import ADMIN_KEY_ENV, API_KEY_ENV, APP_NAME, CLI_FLAGS, RouterConfig, load_config
 from serve_app.ray_env import apply_serve_env
 
 log = logging.getLogger("kvroute.cli")
@@ -56,7 +57,7 @@ class FleetRunner:
 
         from actors.aggregator import get_or_create_aggregator
         from actors.worker_actor import start_worker_actor
-        from serve_app.app import APP_NAME, build_app
+        from serve_app.app import build_app
 
         secrets_via_env = not self.address
         if not self.address:
@@ -71,7 +72,7 @@ class FleetRunner:
             if not self.address:
                 apply_serve_env()  # a cluster's nodes carry it themselves (cluster.yaml, KubeRay env)
             self.progress(f"starting Ray ({'joining ' + self.address if self.address else 'local'}) …")
-            ray.init(address=self.address, namespace="kvroute", include_dashboard=False,
+            ray.init(address=self.address, namespace=NAMESPACE, include_dashboard=False,
                      logging_level=logging.WARNING, log_to_driver=self.verbose)
             logging.getLogger("ray.serve").setLevel(logging.INFO if self.verbose else logging.WARNING)
             self._started_ray = True
@@ -94,7 +95,9 @@ class FleetRunner:
         router = self.router.model_dump(mode="json")
         if secrets_via_env:
             router.pop("api_key"), router.pop("admin_key")
-        args = {"fleet": self.fleet.model_dump(mode="json"), "router": router, "manage_fleet": False}
+        # the router goes in args.router (its one place in the app's args), never inside the fleet
+        fleet = self.fleet.model_dump(mode="json", exclude={"router"})
+        args = {"fleet": fleet, "router": router, "manage_fleet": False}
         serve.run(build_app(args), name=APP_NAME, route_prefix="/", blocking=False)
         return f"http://{'127.0.0.1' if self.host in ('0.0.0.0', '::') else self.host}:{self.port}"
 
@@ -104,7 +107,6 @@ class FleetRunner:
 
         from actors.aggregator import kill_aggregator
         from actors.worker_actor import kill_worker_actors
-        from serve_app.app import APP_NAME
 
         if not ray.is_initialized():
             return
@@ -149,28 +151,24 @@ def _wait_for_interrupt(tick=None, period_s: float = 1.0) -> None:
         signal.signal(signal.SIGTERM, old_term)
 
 
-def _router_config(ns: argparse.Namespace) -> RouterConfig:
-    cfg: dict[str, Any] = {}
-    if getattr(ns, "policy", None):
-        cfg["policy"] = ns.policy
-    if getattr(ns, "api_key", None):
-        cfg["api_key"] = ns.api_key
-    if getattr(ns, "admin_key", None):
-        cfg["admin_key"] = ns.admin_key
-    if getattr(ns, "max_body_bytes", None):
-        cfg["max_body_bytes"] = ns.max_body_bytes
-    if getattr(ns, "tokenizer", None):
-        cfg["tokenizer"] = ns.tokenizer
-    if getattr(ns, "block_size", None):
-        cfg["block_size"] = ns.block_size
-    if getattr(ns, "stream_batching_ms", None) is not None:
-        cfg["stream_batching_interval_ms"] = ns.stream_batching_ms
+def _flag_dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def _router_config(ns: argparse.Namespace, base: RouterConfig | None = None) -> RouterConfig:
+    """The router of `base` (the fleet file's `router:`) with each flag given on the command line
+    (`CLI_FLAGS`) overriding its key, then the keys from the environment."""
+    cfg: dict[str, Any] = base.model_dump() if base is not None else {}
+    for flag, key in CLI_FLAGS.items():
+        value = getattr(ns, _flag_dest(flag), None)
+        if value is not None:
+            cfg[key] = value
     return RouterConfig.model_validate(cfg).with_env()
 
 
 def _run(fleet: FleetSpec, ns: argparse.Namespace, *, live_table: bool) -> int:
     try:
-        router = _router_config(ns)
+        router = _router_config(ns, getattr(fleet, "router", None))
     except Exception as exc:
         print(f"kvroute: invalid router option: {exc}", file=sys.stderr)
         return 2
@@ -245,7 +243,7 @@ def cmd_demo(ns: argparse.Namespace) -> int:
 
 def cmd_serve(ns: argparse.Namespace) -> int:
     try:
-        fleet = load_fleet(ns.fleet)
+        fleet = load_config(ns.fleet)
     except FleetError as exc:
         print(f"kvroute: {exc}", file=sys.stderr)
         return 2
@@ -281,7 +279,7 @@ def _admin_call(ns: argparse.Namespace, method: str, path: str, body: Any = None
 
 def cmd_fleet_add(ns: argparse.Namespace) -> int:
     try:
-        fleet = load_fleet(ns.file)
+        fleet = load_config(ns.file)  # a whole config file too: only its workers are sent
     except FleetError as exc:
         print(f"kvroute: {exc}", file=sys.stderr)
         return 2
@@ -299,9 +297,8 @@ def cmd_down(ns: argparse.Namespace) -> int:
 
     from actors.aggregator import kill_aggregator
     from actors.worker_actor import kill_worker_actors
-    from serve_app.app import APP_NAME
 
-    ray.init(address=ns.address, namespace="kvroute", logging_level=logging.WARNING, log_to_driver=False)
+    ray.init(address=ns.address, namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
     try:
         serve.delete(APP_NAME)
     except Exception as exc:
@@ -320,17 +317,11 @@ def build_parser() -> argparse.ArgumentParser:
     def common(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--host", default="127.0.0.1", help="router HTTP host (default 127.0.0.1)")
         sp.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"router HTTP port (default {DEFAULT_PORT})")
-        sp.add_argument("--policy", default=None, help="default routing policy")
-        sp.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (env KVROUTE_API_KEY)")
-        sp.add_argument("--admin-key", default=None, help="enables /admin fleet changes (env KVROUTE_ADMIN_KEY)")
-        sp.add_argument("--max-body-bytes", type=int, default=None, help="refuse larger request bodies (413)")
-        sp.add_argument("--tokenizer", default=None,
-                        help="exact prefix mode from KV events: sim | hf:<model dir> (default none)")
-        sp.add_argument("--block-size", type=int, default=None,
-                        help="prefix blocks in tokens; the engines' --page-size for exact mode (default 16)")
-        sp.add_argument("--stream-batching-ms", type=float, default=None,
-                        help="streamed replies: after the first token, relay chunks batched this often (default 50; "
-                             "0 = every chunk as it comes)")
+        for flag, key in CLI_FLAGS.items():  # router keys: type, help and default from RouterConfig
+            field = RouterConfig.model_fields[key]
+            kind = next((t for t in (int, float) if field.annotation is t), str)
+            sp.add_argument(flag, type=kind, default=None, dest=_flag_dest(flag),
+                            help=f"router.{key}: {field.description} (default {field.default})".replace("%", "%%"))
         sp.add_argument("-v", "--verbose", action="store_true")
 
     d = sub.add_parser("demo", help="local Ray + N simulated SGLang workers + the router")

@@ -22,6 +22,7 @@ from typing import Any, Iterable
 
 import yaml
 
+from serve_app.config import DEPLOYMENT_NAME
 from serve_app.ray_env import SERVE_ENV
 
 # Custom Ray resources that steer placement (kvroute's contract with cluster configs):
@@ -29,7 +30,6 @@ HEAD_RESOURCE = "kvroute_head"  # only the head node has it; KvRouter replicas a
 SLOT_RESOURCE = "sglang_slot"  # one unit per SGLang engine a node can host; managed workers request 1
 # What a Serve config of kvroute refers to.
 KVROUTE_IMPORT_PATH = "serve_app.app:build_app"
-ROUTER_DEPLOYMENT = "KvRouter"  # must equal serve_app.app.DEPLOYMENT_NAME (a unit test pins it)
 
 
 class DeployCheckError(ValueError):
@@ -234,8 +234,8 @@ def _kvroute_app_errors(app: dict[str, Any], where: str) -> list[str]:
     deployments = [d for d in app.get("deployments") or [] if isinstance(d, dict)]
     for j, dep in enumerate(deployments):
         dwhere = _item(f"{where}.deployments", j, dep)
-        if dep.get("name") != ROUTER_DEPLOYMENT:
-            errors.append(f"{dwhere}: kvroute's app has one deployment, {ROUTER_DEPLOYMENT!r}; "
+        if dep.get("name") != DEPLOYMENT_NAME:
+            errors.append(f"{dwhere}: kvroute's app has one deployment, {DEPLOYMENT_NAME!r}; "
                           "Serve refuses to deploy overrides of a deployment that does not exist")
             continue
         auto = dep.get("autoscaling_config")
@@ -554,7 +554,8 @@ def check_rayservice(docs: Any, source: str = "rayservice") -> dict[str, Any]:
     Returns the RayService document. Raises DeployCheckError."""
     import ray
 
-    from actors.fleet import FleetError, parse_fleet
+    from actors.fleet import FleetError
+    from serve_app.config import fleet_for_app
 
     docs = docs if isinstance(docs, list) else [docs]
     services = [d for d in docs if isinstance(d, dict) and d.get("kind") == "RayService"]
@@ -613,8 +614,9 @@ def check_rayservice(docs: Any, source: str = "rayservice") -> dict[str, Any]:
             for key, value in (d.get("data") or {}).items():
                 content = yaml.safe_load(value) if isinstance(value, str) and key.endswith((".yaml", ".yml")) else None
                 if isinstance(content, dict) and "workers" in content:
-                    try:
-                        parse_fleet(content, f"ConfigMap {d.get('metadata', {}).get('name')!r} data.{key}")
+                    where = f"ConfigMap {d.get('metadata', {}).get('name')!r} data.{key}"
+                    try:  # the Serve app reads it: workers and settings (the router is in args.router)
+                        fleet_for_app(content, where)
                     except FleetError as exc:
                         errors.append(str(exc))
     if errors:
@@ -646,7 +648,8 @@ _KIND_LABEL = {"cluster": "Ray cluster launcher config", "serve": "Serve config"
 
 def check_file(path: str | Path) -> tuple[str, Any]:
     """Detect a file's kind by content and check it. Returns (kind, checked object)."""
-    from actors.fleet import FleetError, parse_fleet
+    from actors.fleet import FleetError
+    from serve_app.config import parse_config
 
     docs = _load_yaml(path)
     kind = detect_kind(docs)
@@ -658,7 +661,7 @@ def check_file(path: str | Path) -> tuple[str, Any]:
         return kind, check_rayservice(docs, str(path))
     if kind == "fleet":
         try:
-            return kind, parse_fleet(docs[0], str(path))
+            return kind, parse_config(docs[0], str(path))  # the whole tree: workers, settings, router
         except FleetError as exc:
             raise DeployCheckError(str(path), [str(exc)]) from None
     raise DeployCheckError(str(path), ["cannot tell what this is: expected a cluster launcher config "

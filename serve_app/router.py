@@ -17,11 +17,12 @@ from serve_app.follower import FleetFollower, WorkerRecord
 from serve_app.ledger import Ledger, refresh_fleet
 from serve_app.policies import POLICIES, Decision, RouteRequest, WorkerView, get_policy
 from serve_app.policies.base import NoWorkerAvailable
+from serve_app.policies.kv_aware import KvAware
 from serve_app.policies.fleet import FleetView
 from serve_app.kv_follower import KvFollower
 from serve_app.prefix_index import KvEventIndex, PrefixIndex
 from serve_app.prompt_tokens import body_token_ids, load_tokenizer
-from serve_app.request_facts import FactsConfig, facts_from_body
+from serve_app.request_facts import facts_from_body
 
 
 # the columns of each candidate in a decision-log line (`RouterConfig.decision_log`)
@@ -64,20 +65,17 @@ class RouterCore:
         self.follower = follower
         self.replica_id = replica_id
         self.rng = random.Random(config.seed)
-        self.ledger = Ledger(replica_id=replica_id, block_tokens=config.block_size, clock=clock)
-        self.prefix = PrefixIndex(clock=clock)
-        self.exact = KvEventIndex(config.block_size)
+        self.ledger = Ledger(config.ledger, replica_id=replica_id, block_tokens=config.block_size, clock=clock)
+        self.prefix = PrefixIndex(**config.prefix_index.approximate_kwargs(), clock=clock)
+        self.exact = KvEventIndex(config.block_size, max_blocks_per_source=config.prefix_index.max_blocks_per_source)
         self.kv_follower: KvFollower | None = None  # set by the Serve shell (needs Ray handles)
-        self.facts_config = FactsConfig(block_tokens=config.block_size)
+        self.facts_config = config.facts_config()
         self.tokenizer = load_tokenizer(config.tokenizer)  # TokenizerError at start, not per request
         self.tokenize_failures = 0
         self.default_policy = config.policy
         get_policy(self.default_policy)  # unknown default → error at start, not per request
         self._policies = {name: get_policy(name) for name in POLICIES}
-        if config.kv_aware:
-            from serve_app.policies.kv_aware import KvAware, KvAwareConfig
-
-            self._policies["kv_aware"] = KvAware(KvAwareConfig(**config.kv_aware))
+        self._policies["kv_aware"] = KvAware(config.kv_aware)
         self._base: dict[str, WorkerView] = {}
         self.fleet = FleetView()
         self._remote: dict[str, dict[str, int]] = {}  # other replica → {worker: pending}

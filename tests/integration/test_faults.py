@@ -38,7 +38,7 @@ def env(ray_cluster, serve_port, tmp_path_factory):
     actors = {w.name: start_worker_actor(w, fleet.settings, name_prefix="faults-") for w in fleet.workers}
     ray.get([a.ready.remote() for a in actors.values()], timeout=120)
     serve.run(build_app({"fleet": fleet.model_dump(mode="json"), "manage_fleet": False,
-                         "router": {"num_replicas": 2, "upstream_read_timeout_s": 30, "breaker_open_s": 2}}),
+                         "router": {"num_replicas": 2, "upstream_read_timeout_s": 30, "breaker": {"open_s": 2}}}),
               name="faults", route_prefix=PREFIX)
     base = f"http://127.0.0.1:{serve_port}{PREFIX}"
     client = httpx.Client(base_url=base, timeout=60)

@@ -37,7 +37,7 @@ def env(ray_cluster, serve_port, tmp_path_factory):
     actors = {w.name: start_worker_actor(w, fleet.settings, name_prefix="live-") for w in fleet.workers}
     ray.get([a.ready.remote() for a in actors.values()], timeout=120)
     serve.run(build_app({"fleet": fleet.model_dump(mode="json"),
-                         "router": {"policy": "kv_aware", "seed": 3, "breaker_failures": 2, "breaker_open_s": 30}}),
+                         "router": {"policy": "kv_aware", "seed": 3, "breaker": {"failures_to_open": 2, "open_s": 30}}}),
               name="live", route_prefix=PREFIX)
     client = httpx.Client(base_url=f"http://127.0.0.1:{serve_port}{PREFIX}", timeout=60)
     wait_for(lambda: sum(w["state"] != "down" for w in client.get("/workers").json()["workers"]) == N + 1, 30,

@@ -17,7 +17,6 @@ from actors.fleet import load_fleet
 from serve_app.deploy_check import (
     HEAD_RESOURCE,
     KVROUTE_IMPORT_PATH,
-    ROUTER_DEPLOYMENT,
     SLOT_RESOURCE,
     DeployCheckError,
     check_cluster_config,
@@ -28,6 +27,7 @@ from serve_app.deploy_check import (
     main,
     node_groups_of_cluster,
 )
+from serve_app.config import DEPLOYMENT_NAME as ROUTER_DEPLOYMENT
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = ROOT / "cluster.yaml"
@@ -210,13 +210,20 @@ def test_override_of_a_deployment_kvroute_does_not_have_is_rejected(serve_raw):
 
 
 def test_router_deployment_name_matches_the_app(serve_raw):
-    # read from the source: importing serve_app.app would start pulling in all of Serve's glue
+    # read from the source: importing serve_app.app would start pulling in all of Serve's glue.
+    # The app takes serve_app.config.DEPLOYMENT_NAME (or, until it imports it, spells the same name).
     tree = ast.parse((ROOT / "serve_app" / "app.py").read_text())
-    (name,) = [
+    imported = any(
+        isinstance(node, ast.ImportFrom) and node.module == "serve_app.config"
+        and "DEPLOYMENT_NAME" in [a.name for a in node.names] for node in tree.body
+    )
+    literals = [
         node.value.value for node in tree.body
         if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["DEPLOYMENT_NAME"]
     ]
-    assert name == ROUTER_DEPLOYMENT == _router(serve_raw)["name"]
+    assert imported != bool(literals), "serve_app.app must take DEPLOYMENT_NAME from serve_app.config, once"
+    assert all(name == ROUTER_DEPLOYMENT for name in literals)
+    assert ROUTER_DEPLOYMENT == _router(serve_raw)["name"]
 
 
 def test_serve_config_fits_the_cluster_and_too_many_router_replicas_do_not(serve_raw, prepared):
