@@ -267,7 +267,9 @@ class BenchFleet:
         if not ray.is_initialized():
             apply_serve_env()  # the transport `kvroute serve` runs with (every Serve target here)
             self.progress("starting Ray (local) …")
-            ray.init(address="local", namespace="kvroute", include_dashboard=False, logging_level=logging.WARNING,
+            from actors.models import NAMESPACE
+
+            ray.init(address="local", namespace=NAMESPACE, include_dashboard=False, logging_level=logging.WARNING,
                      log_to_driver=self.verbose)
             self._ray_started = True
         logging.getLogger("ray.serve").setLevel(logging.WARNING)

@@ -40,8 +40,10 @@ def ray_cluster():
     if not ray.is_initialized():
         from serve_app.ray_env import apply_serve_env
 
+        from actors.models import NAMESPACE
+
         apply_serve_env()  # the Serve transport kvroute runs with
-        ray.init(num_cpus=8, namespace="kvroute", include_dashboard=False, log_to_driver=False)
+        ray.init(num_cpus=8, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
     yield ray
     try:
         from ray import serve

@@ -17,6 +17,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.state import list_actors  # noqa: E402
 
 from actors.aggregator import AGGREGATOR_NAME, get_or_create_aggregator  # noqa: E402
+from actors.models import NAMESPACE  # noqa: E402
 from actors.fleet import parse_fleet  # noqa: E402
 from actors.worker_actor import start_worker_actor  # noqa: E402
 from serve_app.app import build_app  # noqa: E402
@@ -43,7 +44,7 @@ def main() -> None:
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "resources": {"kvroute_head": 100}})
     gpu_a = cluster.add_node(num_cpus=2, num_gpus=1, resources={"sglang_slot": 1})
     gpu_b = cluster.add_node(num_cpus=2, num_gpus=1, resources={"sglang_slot": 1})
-    ray.init(address=cluster.address, namespace="kvroute", log_to_driver=False)
+    ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
     try:
         head_id = ray.get_runtime_context().get_node_id()
         out["nodes"] = {"head": head_id, "a": gpu_a.node_id, "b": gpu_b.node_id}
