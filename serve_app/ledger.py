@@ -315,6 +315,48 @@ class Ledger:
             self._dirty.add(k)
         self.expire_remote()
 
+    def set_remote(self, worker: str, by_replica: Mapping[str, int], at: float | None = None) -> None:
+        """Other replicas' pending counts on `worker` as the fleet snapshot shows them (replica →
+        count; this replica's own entry is ignored). Replaces what was known for `worker`; the
+        replicas whose count changed are dated `at` (ledger clock). The one store of other
+        replicas' counts: `merge_remote` writes the same one, a replica at a time."""
+        at = self._clock() if at is None else at
+        for rid, (when, counts) in list(self._remote.items()):
+            old = counts.get(worker, 0)
+            new = int(by_replica.get(rid, 0)) if rid != self.replica_id else 0
+            if old == new or (new <= 0 and not old):
+                continue
+            if new > 0:
+                counts[worker] = new
+            else:
+                del counts[worker]
+            self._add_remote(worker, new - old if new > 0 else -old)
+            self._remote[rid] = (max(when, at), counts)
+        for rid, n in by_replica.items():
+            n = int(n)
+            if n > 0 and rid != self.replica_id and rid not in self._remote:
+                self._remote[rid] = (at, {worker: n})
+                self._add_remote(worker, n)
+
+    def refresh_remote(self, at: float | None = None) -> None:
+        """Re-date every replica whose counts the snapshot still shows (the aggregator expires dead
+        replicas; without this, `expire_remote` would drop live ones whose counts did not change)
+        and forget those with none left."""
+        at = self._clock() if at is None else at
+        for rid, (_, counts) in list(self._remote.items()):
+            if counts:
+                self._remote[rid] = (at, counts)
+            else:
+                del self._remote[rid]
+
+    def _add_remote(self, worker: str, delta: int) -> None:
+        left = self._remote_sum.get(worker, 0) + delta
+        if left > 0:
+            self._remote_sum[worker] = left
+        else:
+            self._remote_sum.pop(worker, None)
+        self._dirty.add(worker)
+
     def expire_remote(self, now: float | None = None) -> None:
         """Drop replicas not heard from for `remote_ttl_s` (cheap: replicas are few)."""
         if not self._remote:

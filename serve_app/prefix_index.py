@@ -16,9 +16,11 @@ Two indexes answer the same question, `overlap(block_hashes) -> {worker: leading
 
 Both keep the invariant that a worker holding block i holds blocks 0..i (a radix cache evicts
 leaves first; `record` refreshes a whole prefix at once and touches it root-last so LRU eviction
-takes the deepest blocks first). `overlap` relies on it: per worker the longest held prefix is found
-by bisection over the nested holder sets, O(log blocks) dict probes per distinct match length —
-not O(workers × blocks).
+takes the deepest blocks first). `overlap` relies on it: the distinct held-prefix lengths are found
+by bisection over the sizes of the nested holder sets, O(log blocks) dict probes per distinct match
+length, and returned as tiers of those sets (`serve_app.policies.overlap.Overlap`) — not
+O(workers × blocks), and not O(workers) either: a system prompt held by the whole fleet costs
+the same as one held by a single worker.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from actors.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from serve_app.policies.overlap import Holders, Overlap
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +58,10 @@ def hash_token_blocks(
     return out
 
 
-def _longest_prefixes(
-    n: int, holders: Callable[[int], dict[str, Any] | None]
-) -> list[tuple[int, Iterable[str]]]:
-    """Tiers (length, workers) of how many leading positions 0..n-1 each worker holds, given nested
-    holder sets (holders(i) ⊇ holders(j) for i < j, as mappings keyed by worker). Bisection compares
-    sizes only; a key set difference is taken once per distinct match length."""
+def _tiers(n: int, holders: Callable[[int], Holders | None]) -> list[tuple[int, Holders]]:
+    """The distinct match lengths of positions 0..n-1 as tiers `(length, holders(length − 1))`,
+    shallowest first, given nested holder sets (holders(i) ⊇ holders(j) for i < j). Bisection
+    compares set sizes only: no set is copied or differenced, whatever the number of holders."""
     if n <= 0:
         return []
     first = holders(0)
@@ -69,8 +70,7 @@ def _longest_prefixes(
     last = holders(n - 1) if n > 1 else first
     n_last = len(last) if last else 0
     if n_last == len(first):
-        return [(n, first.keys())]
-    out: list[tuple[int, Iterable[str]]] = [(n, last.keys())] if n_last else []
+        return [(n, first)]
     # (lo, size at lo, hi, size at hi): positions lo < hi with size(lo) > size(hi)
     stack = [(0, len(first), n - 1, n_last)]
     bounds: list[int] = []  # positions p where size(p) > size(p + 1)
@@ -88,10 +88,11 @@ def _longest_prefixes(
             stack.append((lo, a, mid, m))
         if m != b:
             stack.append((mid, m, hi, b))
-    for p in bounds:
-        here, nxt = holders(p), holders(p + 1)
-        out.append((p + 1, here.keys() - nxt.keys() if nxt else here.keys()))
-    return out
+    bounds.sort()
+    out = [(p + 1, holders(p)) for p in bounds]
+    if n_last:
+        out.append((n, last))
+    return out  # type: ignore[return-value]
 
 
 class PrefixIndex:
@@ -127,7 +128,8 @@ class PrefixIndex:
         self._hot_swept_at = float("-inf")
         self.max_entries = max_entries
         self._clock = clock
-        self._entries: OrderedDict[int, dict[str, float]] = OrderedDict()  # LRU first
+        # hash → holders {worker: last use}, each ordered by last use (oldest first: the stale lead)
+        self._entries: OrderedDict[int, Holders] = OrderedDict()  # LRU first
         # worker → {hash: last reuse} of blocks it was sent twice or more, oldest reuse first
         self._hot: dict[str, OrderedDict[int, float]] = {}
         # worker → {hash: first sent} of blocks sent there once, within fresh_window_s
@@ -186,7 +188,8 @@ class PrefixIndex:
         for h in reversed(block_hashes):  # root last: it becomes the most recently used
             e = entries.get(h)
             if e is None:
-                entries[h] = {worker: now}
+                e = entries[h] = Holders()
+                e[worker] = now
                 if track_fresh:
                     fresh[h] = now
             else:
@@ -197,50 +200,53 @@ class PrefixIndex:
                     else:
                         hot[h] = now
                         fresh.pop(h, None)
-                elif track_fresh:
-                    fresh[h] = now
+                    del e[worker]  # re-inserted last: holders stay in order of last use
+                else:
+                    if track_fresh:
+                        fresh[h] = now
+                    e.membership_changed()
                 e[worker] = now
                 move(h)
         if len(hot) != n_hot or len(fresh) != n_fresh:
             self._changed.add(worker)
         self._evict(now)
 
-    def overlap(self, block_hashes: Sequence[int], now: float | None = None) -> dict[str, int]:
+    def overlap(self, block_hashes: Sequence[int], now: float | None = None) -> Overlap:
         """Per worker, how many leading blocks of this prompt it holds (workers with none absent)."""
         if not block_hashes:
-            return {}
+            return Overlap()
         now = self._clock() if now is None else now
         cutoff = now - self.ttl_s
         get = self._entries.get
-        out: dict[str, int] = {}
-        stale: list[tuple[str, int]] = []
-        for k, ws in _longest_prefixes(len(block_hashes), lambda i: get(block_hashes[i])):
-            out.update(dict.fromkeys(ws, k))
-            # use times only decrease along a prompt: a worker is fresh at every block it holds
-            # iff it is fresh at its deepest one (checked per tier in C, per worker only if not)
-            e = get(block_hashes[k - 1])
-            if e and min(map(e.__getitem__, ws)) < cutoff:
-                stale.extend((w, k) for w in ws if e[w] < cutoff)
-        for w, k in stale:  # bisect its deepest fresh block: the fresh length is in [lo, hi]
-            lo, hi = 0, k - 1
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if get(block_hashes[mid - 1], {}).get(w, cutoff - 1) >= cutoff:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            if lo:
-                out[w] = lo
-            else:
-                del out[w]
-        return out
+        tiers = _tiers(len(block_hashes), lambda i: get(block_hashes[i]))
+        fixed: dict[str, int] = {}
+        # use times only decrease along a prompt, so a worker is stale somewhere iff it is stale at
+        # its deepest block; holders are ordered by last use, so the stale ones of a block lead its
+        # set. Deepest tier first: a worker's first stale sighting is at its deepest block.
+        for k, e in reversed(tiers):
+            for w, t in e.items():
+                if t >= cutoff:
+                    break
+                if w in fixed:
+                    continue
+                lo, hi = 0, k - 1  # bisect its deepest fresh block: the fresh length is in [lo, hi]
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if get(block_hashes[mid - 1], {}).get(w, cutoff - 1) >= cutoff:
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                fixed[w] = lo
+        return Overlap(tiers, fixed) if fixed else Overlap(tiers)
 
     def remove_worker(self, worker: str) -> None:
         """Forget everything about `worker` (left the fleet, or down: its cache is gone). O(entries)."""
         dead = []
         for h, e in self._entries.items():
-            if e.pop(worker, None) is not None and not e:
-                dead.append(h)
+            if e.pop(worker, None) is not None:
+                e.membership_changed()
+                if not e:
+                    dead.append(h)
         for h in dead:
             del self._entries[h]
         hot, fresh = self._hot.pop(worker, None), self._fresh.pop(worker, None)
@@ -258,12 +264,12 @@ class PrefixIndex:
         cutoff = now - self.ttl_s
         while entries:
             h, e = next(iter(entries.items()))
-            if max(e.values()) >= cutoff:
+            if next(reversed(e.values())) >= cutoff:  # its last use (holders are in use order)
                 return
             del entries[h]
             self._forget(h, e)
 
-    def _forget(self, h: int, holders: dict[str, float]) -> None:
+    def _forget(self, h: int, holders: Holders) -> None:
         for w in holders:
             hot = self._hot.get(w)
             if hot and hot.pop(h, None) is not None:
@@ -293,7 +299,7 @@ class KvEventIndex:
         self._hash = hasher or default_block_hash
         self.max_blocks_per_source = max_blocks_per_source
         # own hash → {worker: number of (rank, engine hash) entries holding it}
-        self._holders: dict[int, dict[str, int]] = {}
+        self._holders: dict[int, Holders] = {}
         # (worker, rank) → engine hash → own hash
         self._sources: dict[tuple[str, int], dict[int, int]] = {}
         self.skipped_blocks = 0  # counters for /metrics
@@ -342,9 +348,12 @@ class KvEventIndex:
                 src[eh] = own
                 e = holders.get(own)
                 if e is None:
-                    holders[own] = {worker: 1}
+                    e = holders[own] = Holders()
+                if worker in e:
+                    e[worker] += 1
                 else:
-                    e[worker] = e.get(worker, 0) + 1
+                    e[worker] = 1
+                    e.membership_changed()
             parent = own
 
     def _drop(self, worker: str, own: int) -> None:
@@ -355,7 +364,8 @@ class KvEventIndex:
         if c > 0:
             e[worker] = c
         else:
-            e.pop(worker, None)
+            if e.pop(worker, None) is not None:
+                e.membership_changed()
             if not e:
                 del self._holders[own]
 
@@ -369,10 +379,7 @@ class KvEventIndex:
     def remove_worker(self, worker: str) -> None:
         self.clear(worker)
 
-    def overlap(self, block_hashes: Sequence[int]) -> dict[str, int]:
+    def overlap(self, block_hashes: Sequence[int]) -> Overlap:
         """Per worker, how many leading blocks of this prompt it caches (workers with none absent)."""
         get = self._holders.get
-        out: dict[str, int] = {}
-        for k, ws in _longest_prefixes(len(block_hashes), lambda i: get(block_hashes[i])):
-            out.update(dict.fromkeys(ws, k))
-        return out
+        return Overlap(_tiers(len(block_hashes), lambda i: get(block_hashes[i])))

@@ -5,6 +5,7 @@ No Serve and no HTTP here; `serve_app.app` is the thin HTTP shell around `Router
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import time
@@ -59,8 +60,11 @@ class RouterCore:
         follower: FleetFollower,
         replica_id: str,
         *,
+        kv_follower: Callable[[KvEventIndex], KvFollower] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`kv_follower` builds the KV-event follower around this core's exact index (it needs Ray
+        handles, so the Serve shell passes it; without one, prefix overlap is the approximate index's)."""
         self.config = config
         self.follower = follower
         self.replica_id = replica_id
@@ -68,7 +72,7 @@ class RouterCore:
         self.ledger = Ledger(config.ledger, replica_id=replica_id, block_tokens=config.block_size, clock=clock)
         self.prefix = PrefixIndex(**config.prefix_index.approximate_kwargs(), clock=clock)
         self.exact = KvEventIndex(config.block_size, max_blocks_per_source=config.prefix_index.max_blocks_per_source)
-        self.kv_follower: KvFollower | None = None  # set by the Serve shell (needs Ray handles)
+        self.kv_follower: KvFollower | None = kv_follower(self.exact) if kv_follower is not None else None
         self.facts_config = config.facts_config()
         self.tokenizer = load_tokenizer(config.tokenizer)  # TokenizerError at start, not per request
         self.tokenize_failures = 0
@@ -78,16 +82,17 @@ class RouterCore:
         self._policies["kv_aware"] = KvAware(config.kv_aware)
         self._base: dict[str, WorkerView] = {}
         self.fleet = FleetView()
-        self._remote: dict[str, dict[str, int]] = {}  # other replica → {worker: pending}
-        follower.on_update = self._on_fleet_update
+        follower.on_update = self.on_fleet_update
         self._clock = clock
+        self._request_ids = itertools.count()
         # line-buffered: a diagnostic log must hold every decision up to the moment it is read
         self._dlog = open(config.decision_log, "a", buffering=1) if config.decision_log else None  # noqa: SIM115
 
     # --- fleet view ---------------------------------------------------------------------------
 
-    def _on_fleet_update(self, changed: list[str]) -> None:
-        touched: set[str] = set()
+    def on_fleet_update(self, changed: list[str]) -> None:
+        """Apply the follower's records of the `changed` workers (a worker absent from
+        `follower.workers` left the fleet): fleet view, ledger, prefix index, other replicas' counts."""
         for name in changed:
             rec = self.follower.workers.get(name)
             if rec is None:
@@ -97,8 +102,7 @@ class RouterCore:
                 self.fleet.remove(name)
                 self.ledger.remove_worker(name)
                 self.prefix.remove_worker(name)
-                for counts in self._remote.values():
-                    counts.pop(name, None)
+                self.ledger.set_remote(name, {})
                 continue
             if rec.metrics_at is not None:
                 self.ledger.on_report(name, rec.metrics_at)
@@ -110,25 +114,14 @@ class RouterCore:
             base = base_view(rec, self.prefix.hot_blocks(name), self.prefix.reused_blocks(name))
             self._base[name] = base
             self.fleet.update(self.ledger.apply(base))
-            for replica, counts in self._remote.items():
-                if name in counts and replica not in rec.in_flight_by_replica:
-                    del counts[name]
-                    touched.add(replica)
-            for replica, n in rec.in_flight_by_replica.items():
-                if replica != self.replica_id and self._remote.setdefault(replica, {}).get(name) != n:
-                    self._remote[replica][name] = n
-                    touched.add(replica)
-        for replica in touched:
-            self.ledger.merge_remote(replica, self._remote[replica])
+            self.ledger.set_remote(name, rec.in_flight_by_replica)
+
+    _on_fleet_update = on_fleet_update  # the old private name, until bench/routesim.py uses the public one
 
     def refresh_remote(self) -> None:
         """Re-date the other replicas' counts we still see in the snapshot (the aggregator expires
         dead replicas; the ledger would otherwise drop live ones that simply did not change)."""
-        for replica, counts in list(self._remote.items()):
-            if counts:
-                self.ledger.merge_remote(replica, counts)
-            else:
-                del self._remote[replica]
+        self.ledger.refresh_remote()
 
     def views(self) -> FleetView:
         hot = self.prefix.take_changed()
@@ -171,8 +164,7 @@ class RouterCore:
             synced = self.kv_follower.synced if self.kv_follower is not None else ()
             if synced:  # exact mode: what the engine reports it holds beats what we sent it
                 exact = self.exact.overlap(request.block_hashes)
-                for w in synced:
-                    overlap[w] = exact.get(w, 0)
+                overlap = overlap.override({w: exact.get(w, 0) for w in synced})
             request = request.with_overlap(overlap)
         fleet = self.views()
         workers = fleet if not exclude else [v for v in fleet if v.name not in exclude]
@@ -204,6 +196,18 @@ class RouterCore:
         self.ledger.on_routed(request_id, worker, request.prompt_blocks, request.overlap.get(worker, 0))
         if request.block_hashes:
             self.prefix.record(worker, request.block_hashes)
+
+    def route(
+        self, request: RouteRequest, policy_name: str | None = None, exclude: set[str] | frozenset[str] = frozenset()
+    ) -> "RequestTicket":
+        """Decide (`decide`) and book the request on the chosen worker (`on_routed`). The ticket
+        carries the decision; call its `first_token()` when the first response byte arrives, then
+        exactly one of `finished()` or `failed()` (a retry elsewhere is a new `route`, with the
+        failed worker in `exclude`). Raises NoWorkerAvailable, UnknownPolicy."""
+        decision, request = self.decide(request, policy_name, exclude)
+        request_id = f"{self.replica_id}-{next(self._request_ids)}"
+        self.on_routed(request_id, request, decision.worker)
+        return RequestTicket(decision, request, request_id, self.ledger)
 
     # --- public views -------------------------------------------------------------------------
 
@@ -250,6 +254,43 @@ class RouterCore:
             "replica": self.replica_id,
             "default_policy": self.default_policy,
         }
+
+
+class RequestTicket:
+    """One routed request: its decision, the request as decided (with the overlap its ledger
+    charge used), and its remaining moments. `first_token`, then one of `finished` / `failed`;
+    calls after the end (or twice) are ignored, so ending from a `finally` block is safe."""
+
+    __slots__ = ("decision", "request", "request_id", "_ledger")
+
+    def __init__(self, decision: Decision, request: RouteRequest, request_id: str, ledger: Ledger) -> None:
+        self.decision = decision
+        self.request = request
+        self.request_id = request_id
+        self._ledger = ledger
+
+    @property
+    def worker(self) -> str:
+        return self.decision.worker
+
+    @property
+    def url(self) -> str:
+        return self.decision.url
+
+    def first_token(self) -> None:
+        """The first response byte arrived: its prefill is done (its KV blocks stay counted)."""
+        self._ledger.on_first_token(self.request_id)
+
+    def finished(self) -> None:
+        """The response ended after reaching the worker (completed, cancelled or errored)."""
+        self._ledger.on_finished(self.request_id)
+
+    def failed(self) -> None:
+        """The request never ran to completion on the worker (connect error, reset before the end)."""
+        self._ledger.on_failed(self.request_id)
+
+    def __repr__(self) -> str:
+        return f"RequestTicket({self.request_id!r}, worker={self.decision.worker!r})"
 
 
 def _has_text_prompt(body: Any) -> bool:

@@ -1,8 +1,8 @@
 """FleetView: the worker views in fleet order, updated one worker at a time, with cached per-policy columns.
 
 Policies accept any `Sequence[WorkerView]`; a `FleetView` is one that also lets a policy keep
-derived per-worker numbers (e.g. kv_aware's request-independent cost terms) across requests, as
-Python lists and numpy arrays, refreshed only for the rows that changed. The router keeps one
+derived per-worker numbers (e.g. kv_aware's request-independent cost terms, as named numpy
+columns) across requests, refreshed only for the workers that changed. The router keeps one
 FleetView, rebuilds it when a snapshot arrives and `update`s the few workers whose ledger figures
 changed per request (`serve_app.ledger.refresh_fleet`), so a decision costs O(1) Python work per
 changed worker plus a handful of vectorised operations over the fleet.
@@ -10,47 +10,21 @@ changed worker plus a handful of vectorised operations over the fleet.
 
 from __future__ import annotations
 
-from typing import Callable, Hashable, Iterable, Iterator, Sequence, overload
+from typing import Callable, Hashable, Iterable, Iterator, Protocol, Sequence, TypeVar, overload
 
 import numpy as np
 
 from serve_app.policies.base import WorkerView
+from serve_app.policies.overlap import worker_id, worker_id_count
 
-RowFn = Callable[[WorkerView], tuple[float, ...]]
-SetHook = Callable[["Columns", tuple[float, ...], tuple[float, ...]], None]
+class Derived(Protocol):
+    """Per-worker numbers a policy derives from the views and keeps across requests."""
+
+    def set(self, i: int, view: WorkerView) -> None:
+        """Worker `i`'s view changed to `view`: refresh its numbers (and any fleet-wide figure)."""
 
 
-class Columns:
-    """Derived per-worker numbers: `rows[i]` (tuples) and `arrays[k][i]` (float64 columns).
-
-    `extra` is free for the owner to cache fleet-wide figures. When a row changes, `on_set(cols,
-    old_row, new_row)` keeps them current if the owner gave one; otherwise `extra` is cleared."""
-
-    __slots__ = ("rows", "_arrays", "extra", "on_set")
-
-    def __init__(self, rows: list[tuple[float, ...]], on_set: SetHook | None = None) -> None:
-        self.rows = rows
-        self._arrays: tuple[np.ndarray, ...] | None = None
-        self.extra: dict[str, object] = {}
-        self.on_set = on_set
-
-    @property
-    def arrays(self) -> tuple[np.ndarray, ...]:
-        if self._arrays is None:
-            a = np.array(self.rows, dtype=np.float64).reshape(len(self.rows), -1)
-            self._arrays = tuple(np.ascontiguousarray(a[:, k]) for k in range(a.shape[1]))
-        return self._arrays
-
-    def _set(self, i: int, row: tuple[float, ...]) -> None:
-        old = self.rows[i]
-        self.rows[i] = row
-        if self._arrays is not None:
-            for col, v in zip(self._arrays, row):
-                col[i] = v
-        if self.on_set is None:
-            self.extra.clear()
-        elif self.extra:
-            self.on_set(self, old, row)
+D = TypeVar("D", bound=Derived)
 
 
 class _Positions(dict):
@@ -65,13 +39,14 @@ class _Positions(dict):
 class FleetView(Sequence[WorkerView]):
     """Worker views in a stable order; `update` replaces one worker's view in O(derived columns)."""
 
-    __slots__ = ("_views", "_pos", "_derived", "_names")
+    __slots__ = ("_views", "_pos", "_derived", "_names", "_pos_by_id")
 
     def __init__(self, views: Iterable[WorkerView] = ()) -> None:
         self._views: list[WorkerView] = []
         self._pos: _Positions = _Positions()
-        self._derived: dict[Hashable, tuple[RowFn, Columns]] = {}
+        self._derived: dict[Hashable, Derived] = {}
         self._names: list[str] | None = None
+        self._pos_by_id: np.ndarray | None = None
         for v in views:
             if v.name in self._pos:
                 raise ValueError(f"worker {v.name!r} appears twice in the fleet view")
@@ -107,6 +82,18 @@ class FleetView(Sequence[WorkerView]):
         """A C-level lookup name → position (-1 when absent), for `map` over many names."""
         return self._pos.__getitem__
 
+    def positions_by_id(self) -> np.ndarray:
+        """`worker_id` → position in this fleet, for every interned name; names outside the fleet
+        map to `len(self)` (a spare slot, so a scatter into a vector of len + 1 needs no mask)."""
+        a = self._pos_by_id
+        if a is None or len(a) < worker_id_count():
+            n = len(self._views)
+            ids = np.fromiter((worker_id(v.name) for v in self._views), np.intp, n)
+            a = np.full(worker_id_count(), n, np.intp)
+            a[ids] = np.arange(n)
+            self._pos_by_id = a
+        return a
+
     def get(self, name: str) -> WorkerView | None:
         i = self._pos.get(name)
         return None if i is None else self._views[i]
@@ -117,12 +104,11 @@ class FleetView(Sequence[WorkerView]):
         if i is None:
             self._pos[view.name] = len(self._views)
             self._views.append(view)
-            self._derived.clear()
-            self._names = None
+            self._membership_changed()
             return
         self._views[i] = view
-        for fn, cols in self._derived.values():
-            cols._set(i, fn(view))
+        for d in self._derived.values():
+            d.set(i, view)
 
     def remove(self, name: str) -> None:
         i = self._pos.pop(name, None)
@@ -130,15 +116,17 @@ class FleetView(Sequence[WorkerView]):
             return
         del self._views[i]
         self._pos = _Positions((v.name, k) for k, v in enumerate(self._views))
+        self._membership_changed()
+
+    def _membership_changed(self) -> None:
         self._derived.clear()
         self._names = None
+        self._pos_by_id = None
 
-    def derived(self, key: Hashable, fn: RowFn, on_set: SetHook | None = None) -> Columns:
-        """The columns `fn(view)` for every worker, cached under `key` and kept current by `update`
-        (`on_set`: see `Columns`)."""
-        hit = self._derived.get(key)
-        if hit is not None:
-            return hit[1]
-        cols = Columns([fn(v) for v in self._views], on_set)
-        self._derived[key] = (fn, cols)
-        return cols
+    def derived(self, key: Hashable, build: Callable[[list[WorkerView]], D]) -> D:
+        """`build(views)` for the current workers, cached under `key`; `update` calls its `set` for
+        each changed worker, and a change of membership drops it (rebuilt on the next call)."""
+        d = self._derived.get(key)
+        if d is None:
+            d = self._derived[key] = build(self._views)
+        return d  # type: ignore[return-value]

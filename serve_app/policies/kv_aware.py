@@ -67,400 +67,338 @@ cost equals c*.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 from itertools import repeat
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
 from serve_app.policies.base import Decision, RouteRequest, WorkerView, _raise_none
-from serve_app.policies.fleet import Columns, FleetView
+from serve_app.policies.fleet import FleetView
+from serve_app.policies.overlap import Overlap
 
 _EPS = 1e-9
-
-
-@dataclass(frozen=True, slots=True)
-class KvAwareConfig:
-    """Every knob of kv_aware; costs are in prompt blocks of the router's block size."""
-
-    prefill_weight: float = 4.0
-    """Weight of blocks still to prefill against KV blocks held (Dynamo's prefill_load_scale)."""
-    queued_request_blocks: float = 128.0
-    """Cost of one request queued ahead: each reported waiting request and each one beyond the
-    worker's slots (it waits for a running request to finish)."""
-    remote_request_blocks: float = 32.0
-    """Assumed prefill blocks of a request another router replica dispatched (size unknown)."""
-    kv_high_watermark: float = 0.9
-    """Fraction of KV capacity above which every further block costs `kv_overflow_weight` more."""
-    kv_overflow_weight: float = 4.0
-    """Extra cost per block over the watermark (the engine would queue, evict or retract)."""
-    tolerance: float = 1.0
-    """Relative slack: workers within c*·(1+tolerance) + tolerance_blocks count as near-minimum."""
-    tolerance_blocks: float = 8.0
-    """Absolute slack of the near-minimum set, in blocks."""
-    min_overlap_blocks: int = 1
-    """Overlap below this is not affinity (the near-minimum preference ignores it)."""
-    normalize_by_capacity: bool = True
-    """Scale cost by mean KV capacity / the worker's, so a 2× larger worker takes 2× the load."""
-    eviction_weight: float = 5.0
-    """Cost per hot cached block a prompt would evict (`evict`): they are prefilled again when
-    their prefix comes back, so the default is one prefill (prefill_weight + 1 for its KV)."""
-    live_weight: float = 4.0
-    """Cost per hot block of the worker times this prompt's cold share (new / P): each live
-    session there waits behind the new prefill, one prefill-weighted block per block of it."""
-    cobatch_weight: float = 1.0
-    """The delay a prompt adds to the others it is prefilled with: each request on the worker still
-    before its first token (this router's, plus the reported waiting ones) waits for this prompt's
-    new blocks too, so each new block costs prefill_weight·(1 + cobatch_weight·those requests).
-    Greedy per-request cost otherwise sends consecutive cold prompts into one prefill batch
-    (virtual-time Mooncake replay at 16 / 20 / 24 req/s, TTFT p50 266 → 236, 282 → 249, 311 → 299 ms;
-    p99 969 → 891, 996 → 1,112, 1,126 → 1,234, still below round-robin's 966 / 1,205 / 1,648;
-    designed workloads unchanged; `bench/results/mooncake.md`). 0 prices only the prompt's own wait."""
-    kv_weight: float = 1.0
-    """Cost per KV block held (the report's kv_active_blocks plus this router's pending ones)
-    and per new block this prompt allocates."""
-    followup_weight: float = 0.0
-    """Cost per block of new prefill per request that finished on the worker within the
-    ledger's follow-up window (expected follow-ups that would wait behind it). Off by default:
-    `live_weight` estimates the same from the hot set, steadier than a 1-second count (virtual-time
-    multi-turn TTFT p50 79 → 27 ms at 16 req/s, `bench/results/routesim.md`)."""
-    turn_tolerance: float = 0.25
-    """When no routable worker holds reused prefixes and the request goes to no affine worker,
-    take turns: of the workers within c*·(1+turn_tolerance) + tolerance_blocks, the one this
-    router sent a request to longest ago. Identical cold requests then reach each worker evenly
-    spaced, as with round-robin, instead of by cost differences that are mostly report lag
-    (virtual-time no-sharing TTFT p99 equal to round-robin's at 8–24 req/s, was up to 1.2×;
-    `bench/results/routesim.md`). 0 disables it."""
-
-    def __post_init__(self) -> None:
-        for f in ("prefill_weight", "cobatch_weight", "kv_weight", "queued_request_blocks", "remote_request_blocks",
-                  "kv_overflow_weight", "tolerance", "tolerance_blocks", "eviction_weight",
-                  "live_weight", "followup_weight", "turn_tolerance"):
-            if getattr(self, f) < 0:
-                raise ValueError(f"KvAwareConfig.{f} must be ≥ 0, got {getattr(self, f)}")
-        if not 0 < self.kv_high_watermark <= 1:
-            raise ValueError(f"KvAwareConfig.kv_high_watermark must be in (0, 1], got {self.kv_high_watermark}")
-
-
 _INF = float("inf")
-_NUMPY_FROM = 64  # fleets at least this large are scored with numpy (fixed overhead ≈ 8–9 µs;
-# measured crossover of the dense-overlap case on 3.11, `bench/decision.py`)
-
-Row = tuple[float, float, float, float, float, float, float, float]
 
 
-def _overlap_of(request: RouteRequest, worker: str) -> int:
-    """Leading blocks of the prompt `worker` is believed to hold (for a decision's reason)."""
-    return min(request.overlap.get(worker, 0), request.prompt_blocks) if request.overlap else 0
+class KvAwareConfig(BaseModel):
+    """Every knob of kv_aware (`router.kv_aware` in the config); costs are in prompt blocks of the
+    router's block size. Unknown keys are errors; the model is immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    prefill_weight: float = Field(
+        4.0, ge=0, description="weight of blocks still to prefill against KV blocks held "
+        "(Dynamo's prefill_load_scale)")
+    queued_request_blocks: float = Field(
+        128.0, ge=0, description="cost of one request queued ahead: each reported waiting request and "
+        "each one beyond the worker's slots (it waits for a running request to finish)")
+    remote_request_blocks: float = Field(
+        32.0, ge=0, description="assumed prefill blocks of a request another router replica dispatched "
+        "(its size is unknown here)")
+    kv_high_watermark: float = Field(
+        0.9, gt=0, le=1, description="fraction of KV capacity above which every further block costs "
+        "kv_overflow_weight more; the hot set must leave the rest to the running requests")
+    kv_overflow_weight: float = Field(
+        4.0, ge=0, description="extra cost per block over the watermark (the engine would queue, evict "
+        "or retract)")
+    tolerance: float = Field(
+        1.0, ge=0, description="relative slack of the near-minimum set: workers within "
+        "c*·(1 + tolerance) + tolerance_blocks count as near the cheapest, and the affine one among "
+        "them wins")
+    tolerance_blocks: float = Field(8.0, ge=0, description="absolute slack of the near-minimum set, in blocks")
+    min_overlap_blocks: int = Field(
+        1, ge=0, description="overlap below this many blocks is not affinity (and saves no prefill)")
+    normalize_by_capacity: bool = Field(
+        True, description="scale each cost by mean KV capacity / the worker's, so a 2× larger worker "
+        "takes 2× the load")
+    eviction_weight: float = Field(
+        5.0, ge=0, description="cost per hot cached block a prompt would evict: it is prefilled again "
+        "when its prefix comes back (the default is one prefill: prefill_weight + 1 for its KV)")
+    live_weight: float = Field(
+        4.0, ge=0, description="cost per hot block of the worker times this prompt's cold share "
+        "(new / P): each live session there waits behind the new prefill")
+    # evidence: virtual-time Mooncake replay at 16 / 20 / 24 req/s, TTFT p50 266 → 236, 282 → 249,
+    # 311 → 299 ms; p99 969 → 891, 996 → 1,112, 1,126 → 1,234, still below round-robin's
+    # 966 / 1,205 / 1,648; designed workloads unchanged (bench/results/mooncake.md)
+    cobatch_weight: float = Field(
+        1.0, ge=0, description="the delay a prompt adds to the requests it is prefilled with: each "
+        "request on the worker still before its first token (this router's, plus the reported waiting "
+        "ones) waits for its new blocks too, so each new block costs "
+        "prefill_weight·(1 + cobatch_weight·those requests); 0 prices only the prompt's own wait")
+    kv_weight: float = Field(
+        1.0, ge=0, description="cost per KV block held (the report's kv_active_blocks plus this "
+        "router's pending ones) and per new block this prompt allocates")
+    # evidence: live_weight is steadier (virtual-time multi-turn TTFT p50 79 → 27 ms at 16 req/s,
+    # bench/results/routesim.md)
+    followup_weight: float = Field(
+        0.0, ge=0, description="cost per new block per request that finished on the worker within the "
+        "ledger's follow-up window (follow-ups that would wait behind it); off by default, "
+        "live_weight estimates the same from the hot set")
+    # evidence: virtual-time no-sharing TTFT p99 equal to round-robin's at 8–24 req/s, was up to
+    # 1.2× (bench/results/routesim.md)
+    turn_tolerance: float = Field(
+        0.25, ge=0, description="when no routable worker holds reused prefixes and no affine worker "
+        "wins, workers take turns: of those within c*·(1 + turn_tolerance) + tolerance_blocks, the one "
+        "this router sent a request to longest ago; 0 disables it")
 
 
-def _on_row_set(cols: Columns, old: Row, new: Row) -> None:
-    """Keeps kv_aware's fleet-wide figures current when one worker's row changes: the capacity
-    scale only depends on capacities and which workers are down; `hmin`/`rmin` stay lower bounds
-    (a pre-check that is made exact again when it fires)."""
-    ex = cols.extra
-    if old[3] != new[3] or (old[0] == _INF) != (new[0] == _INF):
-        ex.pop("scale", None)
-    h = ex.get("hmin")
-    if h is not None and new[2] < h:
-        ex["hmin"] = new[2]
-    r = ex.get("rmin")
-    if r is not None and new[4] < r:
-        ex["rmin"] = new[4]
-    if new[5] and ex.get("anyhot") is False:
-        ex["anyhot"] = True
-    if new[6]:
-        if ex.get("anyreused") is False:
-            ex["anyreused"] = True
-    elif old[6]:
-        ex.pop("anyreused", None)  # maybe the last worker with reused prefixes: recount lazily
+class WorkerTerms(NamedTuple):
+    """The request-independent part of one worker's cost (module docstring), in prompt blocks:
+
+        cost(new) = scale · (base + (per_new_block + live_weight·hot / P)·new
+                             + kv_overflow_weight·max(0, new − kv_headroom)
+                             + eviction_weight·max(0, new − evict_room))
+    """
+
+    base: float  # prefill_weight·(pending_prefill_blocks + remote_request_blocks·remote_pending)
+    # + kv_weight·kv_held + queued_request_blocks·queued; inf when the worker is down
+    per_new_block: float  # prefill_weight·(1 + cobatch_weight·(prefilling + waiting)) + kv_weight
+    # + followup_weight·recent_finished
+    kv_headroom: float  # kv_high_watermark·total − kv_held (inf: capacity unknown)
+    evict_room: float  # room, ≥ 0 (inf: capacity unknown)
+    capacity: float  # kv_total_blocks·page_size tokens (0: unknown)
+    hot: float  # hot_blocks
+    reused: float  # reused_blocks (0 when down: nothing there to protect)
+    last_routed_at: float
+
+
+def worker_terms(cfg: KvAwareConfig, w: WorkerView, block_tokens: int) -> WorkerTerms:
+    """`WorkerTerms` of `w` under `cfg`, for prompts hashed in blocks of `block_tokens` tokens."""
+    per_page = w.page_size / block_tokens
+    kv_held = w.kv_active_blocks * per_page + w.pending_kv_blocks
+    queued = w.waiting
+    if w.total_slots:
+        beyond_slots = w.running + w.pending + w.remote_pending + 1 - w.total_slots
+        if beyond_slots > 0:
+            queued += beyond_slots
+    base = cfg.prefill_weight * (w.pending_prefill_blocks + cfg.remote_request_blocks * w.remote_pending) \
+        + cfg.kv_weight * kv_held + cfg.queued_request_blocks * queued
+    if w.kv_total_blocks:
+        total = w.kv_total_blocks * per_page
+        headroom = cfg.kv_high_watermark * total - kv_held
+        room = max(0.0, min(total - kv_held, cfg.kv_high_watermark * total - w.hot_blocks))
+        capacity = float(w.kv_total_blocks * w.page_size)
+    else:
+        headroom, room, capacity = _INF, _INF, 0.0
+    down = w.state == "down"
+    per_new_block = cfg.prefill_weight * (1.0 + cfg.cobatch_weight * (w.prefilling + w.waiting)) \
+        + cfg.kv_weight + cfg.followup_weight * w.recent_finished
+    return WorkerTerms(_INF if down else base, per_new_block, headroom, room, capacity,
+                       float(w.hot_blocks), 0.0 if down else float(w.reused_blocks), w.last_routed_at)
+
+
+class FleetTerms:
+    """Every worker's `WorkerTerms` as named numpy columns (`terms.base[i]`, …), kept current one
+    worker at a time by `FleetView.update`, plus the fleet-wide figures the cost needs: the capacity
+    `scale`, and bounds that let it skip a term that is zero for every worker."""
+
+    __slots__ = (*WorkerTerms._fields, "_terms_of", "_normalize", "_scale", "_min_headroom", "_min_room",
+                 "_any_hot", "_any_reused")
+    base: np.ndarray
+    per_new_block: np.ndarray
+    kv_headroom: np.ndarray
+    evict_room: np.ndarray
+    capacity: np.ndarray
+    hot: np.ndarray
+    reused: np.ndarray
+    last_routed_at: np.ndarray
+
+    def __init__(self, views: Sequence[WorkerView], terms_of: Callable[[WorkerView], WorkerTerms],
+                 normalize: bool) -> None:
+        rows = np.array([terms_of(v) for v in views], np.float64).reshape(len(views), len(WorkerTerms._fields))
+        for k, name in enumerate(WorkerTerms._fields):
+            setattr(self, name, np.ascontiguousarray(rows[:, k]))
+        self._terms_of = terms_of
+        self._normalize = normalize
+        self._scale: np.ndarray | None | bool = False  # False: not computed yet
+        self._min_headroom: float | None = None  # lower bounds, made exact when they matter
+        self._min_room: float | None = None
+        self._any_hot: bool | None = None  # True may be stale (harmless: the term adds zeros)
+        self._any_reused: bool | None = None  # exact (None: count again)
+
+    def set(self, i: int, view: WorkerView) -> None:
+        t = self._terms_of(view)
+        if t.capacity != self.capacity[i] or (t.base == _INF) != (self.base[i] == _INF):
+            self._scale = False
+        if self._min_headroom is not None and t.kv_headroom < self._min_headroom:
+            self._min_headroom = t.kv_headroom
+        if self._min_room is not None and t.evict_room < self._min_room:
+            self._min_room = t.evict_room
+        if t.hot and self._any_hot is False:
+            self._any_hot = True
+        if t.reused:
+            if self._any_reused is False:
+                self._any_reused = True
+        elif self.reused[i]:
+            self._any_reused = None  # maybe the last worker with reused prefixes
+        self.base[i], self.per_new_block[i], self.kv_headroom[i], self.evict_room[i], self.capacity[i], \
+            self.hot[i], self.reused[i], self.last_routed_at[i] = t
+
+    def scale(self) -> np.ndarray | None:
+        """Per worker mean_capacity / capacity_w over the routable workers that report one (1 for
+        unknown capacity), or None when every factor is 1 (or normalize_by_capacity is off)."""
+        s = self._scale
+        if s is False:
+            s = self._scale = None
+            if self._normalize:
+                cap = self.capacity
+                known = cap[(cap > 0) & (self.base != _INF)].tolist()
+                if known and min(known) != max(known):
+                    mean = sum(known) / len(known)
+                    s = self._scale = np.where(cap > 0, mean / np.where(cap > 0, cap, 1.0), 1.0)
+        return s  # type: ignore[return-value]
+
+    def may_pass_headroom(self, blocks: float) -> bool:
+        """Whether `blocks` new blocks take any worker over its KV watermark."""
+        h = self._min_headroom
+        if h is None or blocks > h:
+            h = self._min_headroom = float(self.kv_headroom.min())
+        return blocks > h
+
+    def may_evict(self, blocks: float) -> bool:
+        """Whether `blocks` new blocks evict hot blocks on any worker."""
+        r = self._min_room
+        if r is None or blocks > r:
+            r = self._min_room = float(self.evict_room.min())
+        return blocks > r
+
+    def any_hot(self) -> bool:
+        if self._any_hot is None:
+            self._any_hot = bool(self.hot.any())
+        return self._any_hot
+
+    def any_reused(self) -> bool:
+        if self._any_reused is None:
+            self._any_reused = bool(self.reused.any())
+        return self._any_reused
 
 
 class KvAware:
-    """See the module docstring for the cost. Request-independent terms are computed once per
-    worker view (cached across requests when the router passes a `FleetView`)."""
+    """The cost and the choice of the module docstring, evaluated over the whole fleet at once
+    (the request-independent terms cached on the router's `FleetView` across requests)."""
 
     name = "kv_aware"
 
     def __init__(self, config: KvAwareConfig | None = None) -> None:
         self.config = config or KvAwareConfig()
-        self._rowfns: dict[int, Callable[[WorkerView], Row]] = {}
+        self._builders: dict[int, Callable[[list[WorkerView]], FleetTerms]] = {}
 
-    def row(self, w: WorkerView, block_tokens: int) -> Row:
-        """(base, slope, headroom, capacity_tokens, room, hot, reused, last_routed_at) of one
-        worker; base = inf and reused = 0 when it is down; room ≥ 0. Then
-            cost(new) = scale·(base + (slope + live_weight·hot/P)·new
-                               + kv_overflow_weight·max(0, new − headroom)
-                               + eviction_weight·max(0, new − room))."""
-        cfg = self.config
-        ps = w.page_size / block_tokens
-        kv0 = w.kv_active_blocks * ps + w.pending_kv_blocks
-        base = cfg.prefill_weight * (w.pending_prefill_blocks + cfg.remote_request_blocks * w.remote_pending) \
-            + cfg.kv_weight * kv0
-        q = w.waiting
-        if w.total_slots:
-            extra = w.running + w.pending + w.remote_pending + 1 - w.total_slots
-            if extra > 0:
-                q += extra
-        base += cfg.queued_request_blocks * q
-        if w.kv_total_blocks:
-            total = w.kv_total_blocks * ps
-            headroom = cfg.kv_high_watermark * total - kv0
-            room = max(0.0, min(total - kv0, cfg.kv_high_watermark * total - w.hot_blocks))
-            cap = float(w.kv_total_blocks * w.page_size)
-        else:
-            headroom, room, cap = _INF, _INF, 0.0
-        down = w.state == "down"
-        return (_INF if down else base,
-                cfg.prefill_weight * (1.0 + cfg.cobatch_weight * (w.prefilling + w.waiting)) + cfg.kv_weight
-                + cfg.followup_weight * w.recent_finished, headroom, cap, room,
-                float(w.hot_blocks), 0.0 if down else float(w.reused_blocks), w.last_routed_at)
+    def terms(self, fleet: FleetView, block_tokens: int) -> FleetTerms:
+        """The fleet's `FleetTerms` for prompts in blocks of `block_tokens` (cached on `fleet`)."""
+        build = self._builders.get(block_tokens)
+        if build is None:
+            cfg = self.config
 
-    def _columns(self, fleet: FleetView, block_tokens: int) -> Columns:
-        fn = self._rowfns.get(block_tokens)
-        if fn is None:
-            fn = self._rowfns[block_tokens] = lambda w: self.row(w, block_tokens)
-        return fleet.derived((id(self), block_tokens), fn, _on_row_set)
+            def terms_of(w: WorkerView) -> WorkerTerms:
+                return worker_terms(cfg, w, block_tokens)
+
+            def build(views: list[WorkerView]) -> FleetTerms:
+                return FleetTerms(views, terms_of, cfg.normalize_by_capacity)
+
+            self._builders[block_tokens] = build
+        return fleet.derived((self, block_tokens), build)
 
     def costs(self, request: RouteRequest, workers: Sequence[WorkerView]) -> dict[str, float]:
-        """Normalised cost per routable worker (for inspection, tests and `/route` debugging)."""
-        if isinstance(workers, FleetView) and len(workers) >= _NUMPY_FROM:
-            cost, _ = self._cost_numpy(request, workers, self._columns(workers, request.block_tokens))
-            cost = cost.tolist()
-        else:
-            rows = [self.row(w, request.block_tokens) for w in workers]
-            cost, _ = self._score(request, rows, [w.name for w in workers], self._scales(rows))
-        return {w.name: c for w, c in zip(workers, cost) if c != _INF}
+        """Cost per routable worker (for inspection, tests and `/route` debugging)."""
+        fleet = workers if isinstance(workers, FleetView) else FleetView(workers)
+        if not len(fleet):
+            return {}
+        cost, _ = self._fleet_cost(request, fleet)
+        return {name: c for name, c in zip(fleet.names, cost.tolist()) if c != _INF}
 
-    def choose(
-        self, request: RouteRequest, workers: Sequence[WorkerView], rng: random.Random
-    ) -> Decision:
-        if isinstance(workers, FleetView):
-            cols = self._columns(workers, request.block_tokens)
-            rows = cols.rows
-            if len(rows) >= _NUMPY_FROM:
-                return self._choose_numpy(request, workers, cols, rng)
-            ex = cols.extra
-            scale = ex.get("scale", False)
-            if scale is False:
-                scale = ex["scale"] = self._scales(rows)
-            names = workers.names
-        else:
-            rows = [self.row(w, request.block_tokens) for w in workers]
-            scale = self._scales(rows)
-            names = [w.name for w in workers]
-            ex = {}
+    def choose(self, request: RouteRequest, workers: Sequence[WorkerView], rng: random.Random) -> Decision:
         cfg = self.config
-        cost, ovs = self._score(request, rows, names, scale)
-        best = min(cost, default=_INF)
-        if best == _INF:
-            _raise_none(workers)
-        P = request.prompt_blocks
-        if ovs is not None:
-            # the affine worker among the near-minimum ones: most overlap, then cheapest, then
-            # random — one plain pass (generators and key functions cost more than the work)
-            limit = best * (1.0 + cfg.tolerance) + cfg.tolerance_blocks + _EPS
-            floor = max(1, cfg.min_overlap_blocks)
-            pick_o = 0
-            cmin = _INF
-            cand: list[int] = []
-            i = -1
-            for o in ovs:
-                i += 1
-                if o < floor:
-                    continue
-                c = cost[i]
-                if c > limit:  # (down workers cost inf)
-                    continue
-                if o > P:
-                    o = P
-                if o > pick_o:
-                    pick_o = floor = o
-                    cmin, cand = c, [i]
-                else:
-                    cand.append(i)
-                    if c < cmin:
-                        cmin = c
-            if cand:
-                if len(cand) > 1:
-                    lim = cmin + _EPS
-                    cand = [i for i in cand if cost[i] <= lim]
-                i = cand[0] if len(cand) == 1 else rng.choice(cand)
-                return self._affine(workers[i], pick_o, P, cost[i], best)
-        if cfg.turn_tolerance:
-            anyreused = ex.get("anyreused")
-            if anyreused is None:
-                anyreused = ex["anyreused"] = any(r[6] for r in rows)
-            if not anyreused:
-                limit = best * (1.0 + cfg.turn_tolerance) + cfg.tolerance_blocks + _EPS
-                near = [i for i, c in enumerate(cost) if c <= limit]
-                if len(near) > 1:
-                    oldest = min(rows[i][7] for i in near)
-                    turn = [i for i in near if rows[i][7] == oldest]
-                    return self._turn(request, workers, turn, len(near), cost, rng, best)
-        lim = best + _EPS
-        mins = [i for i, c in enumerate(cost) if c <= lim]
-        return self._cheapest(request, workers, mins, rng, best)
-
-    def _affine(self, w: WorkerView, o: float, P: int, c: float, best: float) -> Decision:
-        return Decision(w.name, w.url, self.name,
-                        ("overlap={}/{} blocks, cost={:.1f} (min {:.1f})", int(o), P, float(c), best))
-
-    def _turn(self, request: RouteRequest, workers: Sequence[WorkerView], turn: list[int], near: int,
-              cost: Any, rng: random.Random, best: float) -> Decision:
-        i = turn[0] if len(turn) == 1 else rng.choice(turn)
-        w = workers[i]
-        P = request.prompt_blocks
-        o = _overlap_of(request, w.name)
-        return Decision(w.name, w.url, self.name,
-                        ("overlap={}/{} blocks, cost={:.1f} (min {:.1f}): its turn of {} near the minimum"
-                         " (no reused prefixes)", o, P, float(cost[i]), best, near))
-
-    def _cheapest(self, request: RouteRequest, workers: Sequence[WorkerView], mins: list[int],
-                  rng: random.Random, best: float) -> Decision:
-        i = mins[0] if len(mins) == 1 else rng.choice(mins)
-        w = workers[i]
-        P = request.prompt_blocks
-        o = _overlap_of(request, w.name)
-        return Decision(w.name, w.url, self.name,
-                        ("overlap={}/{} blocks, cost={:.1f} = min of {}{}", o, P, best, len(workers),
-                         f" ({len(mins)} tied)" if len(mins) > 1 else ""))
-
-    def _score(self, request: RouteRequest, rows: list[Row], names: Sequence[str],
-               scale: list[float] | None) -> tuple[list[float], list[int] | None]:
-        """(cost per position, inf for down ones; overlap per position, None when the request
-        overlaps no worker)."""
-        cfg = self.config
-        P = request.prompt_blocks
-        ow = cfg.kv_overflow_weight
-        ew = cfg.eviction_weight
-        lw = cfg.live_weight / P if P else 0.0
-        out: list[float] = []
-        append = out.append
-        ov = request.overlap
-        ovs = list(map(ov.get, names, repeat(0))) if ov else None
-        min_o = max(1, cfg.min_overlap_blocks)
-        for (b, k, hr, _, room, hot, _, _), o in zip(rows, repeat(0) if ovs is None else ovs):
-            new = P if o < min_o else (P - o if o < P else 0)
-            c = (k + lw * hot) * new + b
-            if new > hr:
-                c += ow * (new - hr)
-            if new > room:
-                c += ew * (new - room)
-            append(c)
-        if scale is not None:
-            out = [c * f for c, f in zip(out, scale)]
-        return out, ovs
-
-    def _cost_numpy(self, request: RouteRequest, fleet: FleetView,
-                    cols: Columns) -> tuple[np.ndarray, np.ndarray | None]:
-        """The cost vector of a large fleet (inf for down workers) and the overlap vector (None when
-        the request overlaps no worker) — a dozen vectorised operations whatever the fleet size."""
-        cfg = self.config
-        P = request.prompt_blocks
-        base, slope, headroom, _cap, room, hot, _reused, _last = cols.arrays
-        ovmap = request.overlap
-        m = len(ovmap) if ovmap else 0
-        ex = cols.extra
-        if cfg.live_weight and P:
-            anyhot = ex.get("anyhot")
-            if anyhot is None:
-                anyhot = ex["anyhot"] = bool(hot.any())
-            if anyhot:
-                eff = hot * (cfg.live_weight / P)
-                eff += slope
-                slope = eff
-        if m:
-            n = len(base)
-            if 2 * m >= n:  # most workers overlap: look each worker up (one C-level pass)
-                o = np.fromiter(map(ovmap.get, fleet.names, repeat(0)), np.int64, n)
-            else:  # a few do: scatter by position; slot n takes names no longer in the fleet (-1)
-                o = np.zeros(n + 1, np.int64)
-                o[np.fromiter(map(fleet.position_or_minus_one, ovmap), np.intp, m)] = np.fromiter(
-                    ovmap.values(), np.int64, m)
-                o = o[:n]
-            np.minimum(o, P, out=o)
-            min_o = max(1, cfg.min_overlap_blocks)
-            if min_o > 1:
-                o[o < min_o] = 0
-            new: Any = P - o
-            cost = slope * new
-        else:
-            o, new = None, P
-            cost = slope * P
-        cost += base
-        hmin = ex.get("hmin")
-        if hmin is None or P > hmin:  # (re)compute the exact minimum before paying for the term
-            hmin = ex["hmin"] = float(headroom.min())
-        if P > hmin:
-            t = new - headroom
-            np.maximum(t, 0.0, out=t)
-            t *= cfg.kv_overflow_weight
-            cost += t
-        rmin = ex.get("rmin")
-        if rmin is None or P > rmin:
-            rmin = ex["rmin"] = float(room.min())
-        if P > rmin:  # room ≥ 0, so max(0, new − room) ≤ new: the eviction term needs no min
-            t = new - room
-            np.maximum(t, 0.0, out=t)
-            t *= cfg.eviction_weight
-            cost += t
-        scale = ex.get("scale", False)
-        if scale is False:
-            scale = ex["scale"] = self._scales_numpy(cols)
-        if scale is not None:
-            cost *= scale
-        return cost, o
-
-    def _choose_numpy(self, request: RouteRequest, fleet: FleetView, cols: Columns,
-                      rng: random.Random) -> Decision:
-        cfg = self.config
-        cost, o = self._cost_numpy(request, fleet, cols)
+        fleet = workers if isinstance(workers, FleetView) else FleetView(workers)
+        if not len(fleet):
+            _raise_none(fleet)
+        cost, o = self._fleet_cost(request, fleet)
         best = float(cost[cost.argmin()])  # argmin + index: a third of min()'s reduction overhead
         if best == _INF:
             _raise_none(fleet)
+        P = request.prompt_blocks
         if o is not None:
-            limit = best * (1.0 + cfg.tolerance) + cfg.tolerance_blocks + _EPS
-            near = np.where(cost <= limit, o, 0)
-            omax = int(near[near.argmax()])
-            if omax >= max(1, cfg.min_overlap_blocks):
-                cand = np.flatnonzero(near == omax)
+            # the affine worker among the near-minimum ones: most overlap, then cheapest, then random
+            near = np.where(cost <= best * (1.0 + cfg.tolerance) + cfg.tolerance_blocks + _EPS, o, 0)
+            most = int(near[near.argmax()])
+            if most >= max(1, cfg.min_overlap_blocks):
+                cand = np.flatnonzero(near == most)
                 if len(cand) > 1:
                     cc = cost[cand]
                     cand = cand[cc <= cc[cc.argmin()] + _EPS]
                 i = int(cand[0]) if len(cand) == 1 else rng.choice(cand.tolist())
-                return self._affine(fleet[i], omax, request.prompt_blocks, cost[i], best)
-        if cfg.turn_tolerance:
-            ex = cols.extra
-            anyreused = ex.get("anyreused")
-            if anyreused is None:
-                anyreused = ex["anyreused"] = bool(cols.arrays[6].any())
-            if not anyreused:
-                limit = best * (1.0 + cfg.turn_tolerance) + cfg.tolerance_blocks + _EPS
-                near = cost <= limit
-                n_near = int(np.count_nonzero(near))
-                if n_near > 1:
-                    last = np.where(near, cols.arrays[7], _INF)
-                    turn = np.flatnonzero(last == last[last.argmin()]).tolist()
-                    return self._turn(request, fleet, turn, n_near, cost, rng, best)
-        return self._cheapest(request, fleet, np.flatnonzero(cost <= best + _EPS).tolist(), rng, best)
+                return Decision(fleet[i].name, fleet[i].url, self.name,
+                                ("overlap={}/{} blocks, cost={:.1f} (min {:.1f})", most, P, float(cost[i]), best))
+        if cfg.turn_tolerance and not self.terms(fleet, request.block_tokens).any_reused():
+            near_mask = cost <= best * (1.0 + cfg.turn_tolerance) + cfg.tolerance_blocks + _EPS
+            n_near = int(np.count_nonzero(near_mask))
+            if n_near > 1:
+                last = np.where(near_mask, self.terms(fleet, request.block_tokens).last_routed_at, _INF)
+                turn = np.flatnonzero(last == last[last.argmin()]).tolist()
+                i = turn[0] if len(turn) == 1 else rng.choice(turn)
+                w = fleet[i]
+                return Decision(w.name, w.url, self.name,
+                                ("overlap={}/{} blocks, cost={:.1f} (min {:.1f}): its turn of {} near the minimum"
+                                 " (no reused prefixes)", _overlap_of(request, w.name), P, float(cost[i]), best,
+                                 n_near))
+        mins = np.flatnonzero(cost <= best + _EPS).tolist()
+        i = mins[0] if len(mins) == 1 else rng.choice(mins)
+        w = fleet[i]
+        return Decision(w.name, w.url, self.name,
+                        ("overlap={}/{} blocks, cost={:.1f} = min of {}{}", _overlap_of(request, w.name), P, best,
+                         len(fleet), f" ({len(mins)} tied)" if len(mins) > 1 else ""))
 
-    def _scales_numpy(self, cols: Columns) -> np.ndarray | None:
-        """`_scales` over cached columns, vectorised (recomputed after a capacity changes)."""
-        if not self.config.normalize_by_capacity:
-            return None
-        base, cap = cols.arrays[0], cols.arrays[3]
-        known = cap[(cap > 0) & (base != _INF)]
-        if not len(known) or known.min() == known.max():
-            return None
-        return np.where(cap > 0, known.mean() / np.where(cap > 0, cap, 1.0), 1.0)
+    def _fleet_cost(self, request: RouteRequest, fleet: FleetView) -> tuple[np.ndarray, np.ndarray | None]:
+        """The cost of every worker (inf for down ones) and its overlap in blocks (None when the
+        request overlaps no worker): the module docstring's formula over `FleetTerms`' columns."""
+        cfg = self.config
+        t = self.terms(fleet, request.block_tokens)
+        P = request.prompt_blocks
+        o = self._overlap_blocks(request, fleet, P)
+        new: Any = P if o is None else P - o
+        per_new_block = t.per_new_block
+        if cfg.live_weight and P and t.any_hot():
+            per_new_block = t.hot * (cfg.live_weight / P) + per_new_block
+        cost = per_new_block * new + t.base
+        if t.may_pass_headroom(P):
+            cost += cfg.kv_overflow_weight * np.maximum(new - t.kv_headroom, 0.0)
+        if t.may_evict(P):  # evict_room ≥ 0, so max(0, new − room) ≤ new: no min(new, ·) needed
+            cost += cfg.eviction_weight * np.maximum(new - t.evict_room, 0.0)
+        scale = t.scale()
+        if scale is not None:
+            cost *= scale
+        return cost, o
 
-    def _scales(self, rows: list[Row]) -> list[float] | None:
-        """Per-worker factor mean_cap / cap_w (1 for unknown capacity), or None when all are 1."""
-        if not self.config.normalize_by_capacity:
+    def _overlap_blocks(self, request: RouteRequest, fleet: FleetView, P: int) -> np.ndarray | None:
+        """o = min(overlap, P) per worker in fleet order (0 below min_overlap_blocks), or None."""
+        ov = request.overlap
+        if not ov:
             return None
-        known = [r[3] for r in rows if r[3] > 0 and r[0] != _INF]
-        if not known or min(known) == max(known):
-            return None
-        mean = sum(known) / len(known)
-        return [mean / r[3] if r[3] > 0 else 1.0 for r in rows]
+        n = len(fleet)
+        if isinstance(ov, Overlap):  # tiers of holder sets: a scatter per tier, whatever their size
+            ids = [(blocks, holders.ids()) for blocks, holders in ov.tiers]
+            pos = fleet.positions_by_id()
+            o = np.zeros(n + 1, np.int64)  # slot n: workers outside this fleet
+            for blocks, h in ids:
+                o[pos[h]] = blocks
+            for name, v in ov.fixed.items():
+                i = fleet.position(name)
+                if i is not None:
+                    o[i] = v
+            o = o[:n]
+        elif 2 * len(ov) >= n:  # a plain mapping naming most workers: look each one up
+            o = np.fromiter(map(ov.get, fleet.names, repeat(0)), np.int64, n)
+        else:  # naming a few: scatter by position (slot n takes names outside this fleet)
+            o = np.zeros(n + 1, np.int64)
+            o[np.fromiter(map(fleet.position_or_minus_one, ov), np.intp, len(ov))] = np.fromiter(
+                ov.values(), np.int64, len(ov))
+            o = o[:n]
+        np.minimum(o, P, out=o)
+        if self.config.min_overlap_blocks > 1:
+            o[o < self.config.min_overlap_blocks] = 0
+        return o
+
+
+def _overlap_of(request: RouteRequest, worker: str) -> int:
+    """Leading blocks of the prompt `worker` is believed to hold (for a decision's reason)."""
+    return min(request.overlap.get(worker, 0), request.prompt_blocks) if request.overlap else 0

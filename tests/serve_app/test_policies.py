@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from dataclasses import FrozenInstanceError, replace
+from dataclasses import replace
 from itertools import count
 
 import pytest
@@ -280,7 +280,7 @@ def test_hot_prefixes_must_leave_the_running_requests_room():
     alone = KvAwareConfig(live_weight=0.0, followup_weight=0.3)
     assert {KvAware(alone).choose(req(4224), ws, random.Random(s)).worker for s in range(40)} == {"w1"}
     # ... and with the whole pool as room the follow-up price wins and w0 takes its third prefix
-    no_watermark = KvAware(replace(alone, kv_high_watermark=1.0))
+    no_watermark = KvAware(KvAwareConfig(**{**alone.model_dump(), "kv_high_watermark": 1.0}))
     assert {no_watermark.choose(req(4224), ws, random.Random(s)).worker for s in range(40)} == {"w0"}
 
 
@@ -354,13 +354,29 @@ def test_other_replicas_pending_dispatches_steer_away_from_their_worker():
 
 
 def test_kv_aware_config_is_frozen_and_validated():
+    from pydantic import ValidationError
+
     cfg = KvAwareConfig()
-    with pytest.raises(FrozenInstanceError):
+    with pytest.raises(ValidationError, match="frozen"):
         cfg.tolerance = 1.0  # type: ignore[misc]
     with pytest.raises(ValueError, match="kv_high_watermark"):
         KvAwareConfig(kv_high_watermark=1.5)
     with pytest.raises(ValueError, match="prefill_weight"):
         KvAwareConfig(prefill_weight=-1)
+
+
+def test_kv_aware_config_keeps_types_rejects_unknown_keys_and_describes_every_knob():
+    from pydantic import ValidationError
+
+    cfg = KvAwareConfig.model_validate({"min_overlap_blocks": 2, "normalize_by_capacity": False, "tolerance": 1})
+    assert type(cfg.min_overlap_blocks) is int and cfg.normalize_by_capacity is False
+    assert type(cfg.tolerance) is float
+    with pytest.raises(ValidationError, match="min_overlap_blocks"):
+        KvAwareConfig(min_overlap_blocks=1.5)
+    with pytest.raises(ValidationError, match="toleranse"):
+        KvAwareConfig.model_validate({"toleranse": 0.5})
+    for name, field in KvAwareConfig.model_fields.items():
+        assert field.description and len(field.description) > 20, name
 
 
 def test_kv_aware_prices_the_delay_a_prompt_adds_to_the_batch_it_joins():
