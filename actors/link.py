@@ -56,6 +56,13 @@ class AggregatorLink:
     def epoch(self) -> str | None:
         return None if self.endpoints is None else self.endpoints.epoch
 
+    def ready(self) -> bool:
+        """True when a push can go now without (re)connecting (no I/O: for callers that must not await)."""
+        if self._sock is None:
+            return False
+        self._watch()
+        return self._down_since is None or time.monotonic() - self._down_since < self.stale_s
+
     async def ensure(self) -> bool:
         """True when a socket is ready to push to; (re)resolves when needed, with back-off."""
         if self._sock is not None:

@@ -28,6 +28,7 @@ from actors.launcher import LaunchError, ManagedProcess
 from actors.link import AggregatorLink
 from actors.models import NAMESPACE, Settings
 from actors.protocol import KvEventsStatus, KvHandshakeSide, KvLogAnswer, RankMetrics, WorkerReady, WorkerReport
+from actors.readable import SocketWatch
 
 logger = logging.getLogger("kvroute.worker")
 
@@ -101,6 +102,8 @@ class WorkerActor:
         self._health_timeouts = 0
         self._stopping = False
         self._wake = asyncio.Event()
+        self._last_push = 0.0
+        self._push_timer: asyncio.TimerHandle | None = None
         self._ctx = zmq.asyncio.Context()
         # reports go to the aggregator over ZeroMQ (Ray only finds it): no Ray call per push
         self._link = AggregatorLink(self._resolve_aggregator, ctx=self._ctx, hwm=self.settings.max_pending_pushes,
@@ -284,6 +287,8 @@ class WorkerActor:
         self._stopping = True
         for t in self._tasks:
             t.cancel()
+        if self._push_timer is not None:
+            self._push_timer.cancel()
         if self._kv_catching_up is not None:
             self._kv_catching_up.cancel()
         # bounded: on Python 3.11 a wait_for racing the cancel can swallow it and keep a loop alive
@@ -312,29 +317,39 @@ class WorkerActor:
     # --- receive ------------------------------------------------------------------------------
 
     async def _recv_loop(self) -> None:
-        sock = self._sock
-        raw = zmq.Socket.shadow(sock.underlying)  # sync view of the same socket for cheap drains
-        while True:
-            try:
-                await sock.poll(flags=zmq.POLLIN)
-                for _ in range(_DRAIN_BATCH):
-                    try:
-                        frame = raw.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    if raw.getsockopt(zmq.RCVMORE):  # SGLang never sends multipart
-                        while raw.getsockopt(zmq.RCVMORE):
-                            raw.recv(zmq.NOBLOCK)
-                        self.book.stats.frames_received += 1
-                        self.book.refuse("multipart", "multipart message")
-                        continue
-                    if self.book.ingest(frame) is not None:
-                        self._wake.set()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a receive loop must never die
-                logger.exception("worker %s: receive loop error", self.name)
-                await asyncio.sleep(0.01)
+        """Receive SGLang's frames: the event loop calls `_drain` when the PULL is readable (one
+        callback per arrival, no future per frame); this task only holds the watch until cancelled."""
+        raw = zmq.Socket.shadow(self._sock.underlying)  # sync view of the same socket for cheap drains
+        watch = SocketWatch(raw, lambda: self._drain(raw))
+        try:
+            await asyncio.Event().wait()
+        finally:
+            watch.close()
+
+    def _drain(self, raw: zmq.Socket) -> bool:
+        """Ingest what is waiting (a bounded batch); True if more may wait."""
+        fresh = False
+        try:
+            for _ in range(_DRAIN_BATCH):
+                try:
+                    frame = raw.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    return False
+                if raw.getsockopt(zmq.RCVMORE):  # SGLang never sends multipart
+                    while raw.getsockopt(zmq.RCVMORE):
+                        raw.recv(zmq.NOBLOCK)
+                    self.book.stats.frames_received += 1
+                    self.book.refuse("multipart", "multipart message")
+                    continue
+                if self.book.ingest(frame) is not None:
+                    fresh = True
+            return True
+        except Exception:  # a receive path must never die
+            logger.exception("worker %s: receive error", self.name)
+            return True
+        finally:
+            if fresh:
+                self._metrics_arrived()
 
     # --- KV events (exact prefix mode) ---------------------------------------------------------
 
@@ -453,20 +468,48 @@ class WorkerActor:
             self._own_name = ray.get_runtime_context().get_actor_name()
         return self._own_name
 
+    def _metrics_arrived(self) -> None:
+        """New SGLang metrics: pushed from the receive loop itself when `push_interval_s` has passed
+        since the last push (one event-loop wake-up per frame, no hand-off to the push loop), else by
+        one timer at the end of the gap, which carries every frame that arrives meanwhile."""
+        if self._push_timer is not None:
+            return
+        gap = self.settings.push_interval_s - (time.monotonic() - self._last_push)
+        if gap <= 0 and self._push_now():
+            return
+        self._push_timer = asyncio.get_running_loop().call_later(max(gap, self.settings.push_interval_s * 0.5),
+                                                                 self._timed_push)
+
+    def _timed_push(self) -> None:
+        self._push_timer = None
+        if not self._push_now() and self._link.ready():
+            self._metrics_arrived()  # the socket was full: the newest state again after the gap
+
+    def _push_now(self) -> bool:
+        """Push the newest report if the link is up (else the push loop reconnects and sends it)."""
+        if self._stopping:
+            return True
+        if not self._link.ready():
+            self._wake.set()
+            return False
+        self._last_push = time.monotonic()
+        return self._link.push_reports([self._report()])
+
     async def _push_loop(self) -> None:
-        """The newest state at most every `push_interval_s` when something changed, else every
-        `heartbeat_s`; a push never waits on the aggregator (a frame it cannot queue is dropped
-        and the next, newer report goes instead)."""
+        """Heartbeats, liveness and status changes, and reconnection: the newest state every
+        `heartbeat_s` (counted from the last push, wherever it came from) or at once when woken;
+        a push never waits on the aggregator (a frame it cannot queue is dropped and the next,
+        newer report goes instead)."""
         s = self.settings
-        last = 0.0
         while True:
             try:
-                wait = s.heartbeat_s - (time.monotonic() - last)
+                wait = s.heartbeat_s - (time.monotonic() - self._last_push)
                 if wait > 0 and not self._wake.is_set():
                     try:
                         await asyncio.wait_for(self._wake.wait(), timeout=wait)
                     except asyncio.TimeoutError:
-                        pass
+                        continue  # re-check: the receive loop may have pushed meanwhile
+                last = self._last_push
                 gap = s.push_interval_s - (time.monotonic() - last)
                 if gap > 0:
                     await asyncio.sleep(gap)
@@ -476,7 +519,7 @@ class WorkerActor:
                 self._wake.clear()
                 if not self._link.push_reports([self._report()]):
                     self._wake.set()  # not queued: send the newest state again after the gap
-                last = time.monotonic()
+                self._last_push = time.monotonic()
             except asyncio.CancelledError:
                 raise
             except Exception:

@@ -327,7 +327,17 @@ class BareActor:
         return os.getpid()
 
 
-def real_actors(k: int, seconds: float, frame_hz: float = 0.0) -> dict[str, float]:
+def _profile(pids: dict[str, int], seconds: float, out_dir: str) -> list[subprocess.Popen]:
+    """py-spy (`.venv/bin/py-spy`, root) samples each named process for `seconds` into
+    `out_dir/NAME.txt` (collapsed stacks, idle frames included so waits show)."""
+    spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    os.makedirs(out_dir, exist_ok=True)
+    return [subprocess.Popen([spy, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "200", "--idle",
+                              "-f", "raw", "-o", os.path.join(out_dir, f"{name}.txt")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for name, pid in pids.items()]
+
+
+def real_actors(k: int, seconds: float, frame_hz: float = 0.0, profile: str | None = None) -> dict[str, float]:
     """CPU of `k` real `WorkerActor`s (attach mode: a /health server, no engine) beside `k` bare
     async actors, the aggregator and one follower host, % of one core. `frame_hz` > 0: each actor
     receives that many SGLang KvMetrics frames per second (0.5.23 pickle form) from this process —
@@ -382,11 +392,15 @@ def real_actors(k: int, seconds: float, frame_hz: float = 0.0) -> dict[str, floa
     if frame_hz > 0:
         t.start()
     time.sleep(3.0)
+    spies = _profile({"worker_actor": wpids[0], "aggregator": agg_pid, "follower": hpid, "bare_actor": bpids[0]},
+                     seconds, profile) if profile else []
     c0 = {p: _cpu_s(p) for p in [*wpids, *bpids, agg_pid, hpid]}
     t0 = time.monotonic()
     time.sleep(seconds)
     dt = time.monotonic() - t0
     c1 = {p: _cpu_s(p) for p in c0}
+    for spy in spies:
+        spy.wait(timeout=60)
     stop.set()
     pct = {p: 100 * (c1[p] - c0[p]) / dt for p in c0}
     out = {"worker_actor": statistics.mean(pct[p] for p in wpids), "bare_actor": statistics.mean(pct[p] for p in bpids),
@@ -427,6 +441,10 @@ def main() -> int:
                          "CPU of each over --seconds")
     ap.add_argument("--frame-hz", type=float, default=0.0,
                     help="with --real-actors: SGLang frames per second sent to each actor (0: idle)")
+    ap.add_argument("--profile", metavar="DIR",
+                    help="with --real-actors: py-spy one worker actor, the aggregator, the follower and a bare "
+                         "actor over the window into DIR/NAME.txt (collapsed stacks; the CPU figures then include "
+                         "py-spy's sampling)")
     ns = ap.parse_args()
     try:
         commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -439,7 +457,7 @@ def main() -> int:
 
     ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
     if ns.real_actors:
-        k, r = ns.real_actors, real_actors(ns.real_actors, ns.seconds, ns.frame_hz)
+        k, r = ns.real_actors, real_actors(ns.real_actors, ns.seconds, ns.frame_hz, ns.profile)
         plane = k * r["worker_actor"] + r["aggregator"] + r["follower"]
         print(f"{k} real WorkerActors, {ns.frame_hz:g} SGLang frames/s each, {ns.seconds:g} s; % of one core: "
               f"WorkerActor {r['worker_actor']:.2f} each (bare async actor {r['bare_actor']:.2f} → "

@@ -20,6 +20,7 @@ from actors.models import sum_ranks
 from actors.protocol import (
     MAX_DELTA_FRAME_BYTES, FleetDelta, KvEventsStatus, ManagedEngine, ProtocolError, decode_delta,
 )
+from actors.readable import SocketWatch
 from actors.retry import Backoff, reconnecting
 
 logger = logging.getLogger("kvroute.follower")
@@ -189,25 +190,23 @@ class FleetFollower:
 
     async def _follow(self, agg: Any, sub: zmq.asyncio.Socket, backoff: Backoff) -> None:
         """A full snapshot, then deltas; a new epoch or a missed delta means a snapshot again.
-        Raises when the stream goes silent (the caller re-resolves the aggregator)."""
+        Deltas are applied from an event-loop callback as they arrive (`SocketWatch`: no future
+        per delta); this task fetches snapshots and raises when the stream goes silent (the caller
+        re-resolves the aggregator)."""
         raw = zmq.Socket.shadow(sub.underlying)
-        sync = True
-        while True:
-            if sync:
-                frame = await asyncio.wait_for(agg.snapshot.remote(), self.poll_timeout_s)
-                self.resyncs += 1
-                self._ok(len(frame))
-                self._changed(self.apply(decode_delta(frame)))
-                backoff.reset()
-                sync = False
-            if not await sub.poll(self.silence_s * 1000):
-                raise TimeoutError(f"no delta or keep-alive from the aggregator in {self.silence_s} s")
+        resync = asyncio.Event()
+        resync.set()
+        watch: SocketWatch | None = None
+
+        def drain() -> bool:
             changed: list[str] = []
+            more = True
             try:
                 for _ in range(_DRAIN_BATCH):
                     try:
                         frame = raw.recv(zmq.NOBLOCK)
                     except zmq.Again:
+                        more = False
                         break
                     self._ok(len(frame))
                     try:
@@ -222,8 +221,34 @@ class FleetFollower:
                     changed += self.apply(d)
                     self.updates += 1
             except _Resync:
-                sync = True
+                assert watch is not None
+                watch.pause()  # what follows waits in the socket until the snapshot is applied
+                resync.set()
+                more = False
             self._changed(changed)
+            return more
+
+        try:
+            while True:
+                if resync.is_set():
+                    frame = await asyncio.wait_for(agg.snapshot.remote(), self.poll_timeout_s)
+                    self.resyncs += 1
+                    self._ok(len(frame))
+                    self._changed(self.apply(decode_delta(frame)))
+                    backoff.reset()
+                    resync.clear()
+                    if watch is None:
+                        watch = SocketWatch(raw, drain)
+                    else:
+                        watch.kick()
+                try:
+                    await asyncio.wait_for(resync.wait(), self.silence_s)
+                except asyncio.TimeoutError:
+                    if self.last_ok_at is None or time.monotonic() - self.last_ok_at >= self.silence_s:
+                        raise TimeoutError(f"no delta or keep-alive from the aggregator in {self.silence_s} s") from None
+        finally:
+            if watch is not None:
+                watch.close()
 
     def _ok(self, nbytes: int) -> None:
         self.bytes_received += nbytes

@@ -1,0 +1,75 @@
+"""Receive-side wake-ups for ZeroMQ sockets at the cost of one event-loop callback per arrival.
+
+`zmq.asyncio`'s `poll()`/`recv()` build futures, pollers and timers on every call: at tens of
+frames a second that is most of what a metrics-plane process spends (measured: 1.1 % of a core for
+30 frames/s, against 0.47 % for this). Here the event loop watches the socket's file descriptor and
+calls a plain function that drains the socket with non-blocking receives. No Ray import.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+import zmq
+
+
+logger = logging.getLogger("kvroute.readable")
+
+
+class SocketWatch:
+    """Calls `drain()` from the event loop whenever `sock` (a sync socket, receive side only) may
+    hold messages. `drain()` receives with `zmq.NOBLOCK` until `zmq.Again`, or stops early and
+    returns True to be called again soon (a bounded batch: other tasks run in between). A ZeroMQ
+    descriptor signals edges, not levels, so after every call the socket's own `EVENTS` decides
+    whether messages are still waiting; `kick()` re-checks after a pause in draining."""
+
+    def __init__(self, sock: zmq.Socket, drain: Callable[[], bool | None],
+                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._sock = sock
+        self._drain = drain
+        self._loop = loop or asyncio.get_running_loop()
+        self._fd = sock.getsockopt(zmq.FD)
+        self._scheduled = False
+        self._paused = False
+        self._loop.add_reader(self._fd, self._on_readable)
+        self.kick()  # messages that arrived before we watched raise no edge
+
+    def kick(self) -> None:
+        """Drain soon (after a pause, or when messages may have arrived unseen)."""
+        self._paused = False
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self._on_readable)
+
+    def pause(self) -> None:
+        """Stop draining until `kick()` (e.g. while a resync is fetched); messages wait in the socket."""
+        self._paused = True
+
+    def close(self) -> None:
+        try:
+            self._loop.remove_reader(self._fd)
+        except (ValueError, OSError):  # the loop or the descriptor is gone already
+            pass
+        self._paused = True
+
+    def _on_readable(self) -> None:
+        self._scheduled = False
+        if self._paused:
+            return
+        try:
+            if not self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
+        except zmq.ZMQError:  # closed under us
+            return
+        try:
+            more = self._drain()
+        except Exception:  # a receive path must never die: log, and look again at the next arrival
+            logger.exception("error while draining a socket")
+            more = False
+        if self._paused:
+            return
+        if more or self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._scheduled = True
+            self._loop.call_soon(self._on_readable)
