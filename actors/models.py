@@ -92,6 +92,12 @@ class Settings(BaseModel):
         0.01, gt=0, description="the aggregator's coalescing window: it drains pushed reports and publishes one "
         "delta to router replicas at most this often"
     )
+    coalesce_s: float = Field(
+        0.05, gt=0, description="how long a change may wait for others where the plane is lightly loaded, to save "
+        "wake-ups: a worker actor pushes a busy engine's metrics at most once per window (the first change after a "
+        "quiet spell at once), and the aggregator publishes deltas of fewer than 8 workers at most once per window "
+        "(larger ones every publish_interval_s)"
+    )
     aggregator_resources: dict[str, float] = Field(
         default_factory=dict, description="custom Ray resources the aggregator requests (e.g. kvroute_head)"
     )
