@@ -70,7 +70,7 @@ def _tiers(n: int, holders: Callable[[int], Holders | None]) -> list[tuple[int, 
     last = holders(n - 1) if n > 1 else first
     n_last = len(last) if last else 0
     if n_last == len(first):
-        return [(n, first)]
+        return [(n, last)]  # type: ignore[list-item]
     # (lo, size at lo, hi, size at hi): positions lo < hi with size(lo) > size(hi)
     stack = [(0, len(first), n - 1, n_last)]
     bounds: list[int] = []  # positions p where size(p) > size(p + 1)

@@ -167,13 +167,25 @@ class RouterCore:
                 overlap = overlap.override({w: exact.get(w, 0) for w in synced})
             request = request.with_overlap(overlap)
         fleet = self.views()
-        workers = fleet if not exclude else [v for v in fleet if v.name not in exclude]
-        if exclude and not workers and len(fleet):
-            raise NoWorkerAvailable(f"no routable worker: all {len(fleet)} are excluded for this request "
-                                    f"(already tried, or circuit breaker open)")
-        decision = policy.choose(request, workers, self.rng)
+        if not exclude:
+            decision = policy.choose(request, fleet, self.rng)
+        else:
+            # excluded workers are shown to the policy as down for this one decision: the fleet
+            # view keeps its cached columns (a copy of a large fleet would cost O(workers))
+            known = [v for v in map(fleet.get, exclude) if v is not None]
+            if known and len(known) == len(fleet):
+                raise NoWorkerAvailable(f"no routable worker: all {len(fleet)} are excluded for this request "
+                                        f"(already tried, or circuit breaker open)")
+            hidden = [v for v in known if v.state != "down"]
+            for v in hidden:
+                fleet.update(replace(v, state="down"))
+            try:
+                decision = policy.choose(request, fleet, self.rng)
+            finally:
+                for v in hidden:
+                    fleet.update(v)
         if self._dlog is not None:
-            self._log_decision(request, decision, workers)
+            self._log_decision(request, decision, [v for v in fleet if v.name not in exclude] if exclude else fleet)
         return decision, request
 
     def _log_decision(self, request: RouteRequest, decision: Decision, workers: Any) -> None:

@@ -10,14 +10,13 @@ For each routable worker w, in blocks of B = `request.block_tokens` tokens:
                + new·(1 + cobatch_weight·(prefilling + waiting))
                                                             every request before its first token there
                                                             waits for this prompt's prefill too
-    kv       = kv_weight·(kv_active_blocks·page_size/B + pending_kv_blocks + new)
+    held     = kv_active_blocks·page_size/B + pending_kv_blocks      KV blocks w holds already
+    kv       = kv_weight·(held + new)
     queued   = waiting + max(0, running + pending + remote_pending + 1 − total_slots)
                                                             (slot term only when total_slots > 0)
-    over     = max(0, kv − kv_high_watermark·kv_total_blocks·page_size/B)
-                                                            (only when kv_total_blocks > 0)
     total    = kv_total_blocks·page_size/B
-    room     = min(total − (kv_active_blocks·page_size/B + pending_kv_blocks),
-                   kv_high_watermark·total − hot_blocks)
+    over     = max(0, held + new − kv_high_watermark·total)  (only when kv_total_blocks > 0)
+    room     = min(total − held, kv_high_watermark·total − hot_blocks)
     evict    = min(new, max(0, new − room))                  hot cached blocks this prompt pushes out
                                                             (only when kv_total_blocks > 0)
     live     = hot_blocks · new / P                          live prefixes this cold share queues ahead of
@@ -50,6 +49,11 @@ itself. Pricing only its own wait is what made a greedy pick — even one with p
 stack consecutive cold prompts into one batch on real traffic (`bench/results/mooncake.md`).
 `recent_finished` counts requests that finished on w within the ledger's follow-up window (an
 older, noisier estimate of the same thing; `followup_weight` is 0 by default).
+
+In code, the terms that do not depend on the prompt are computed once per worker view
+(`WorkerTerms`: base, per_new_block, kv_headroom, evict_room, …) and kept as named numpy columns on
+the router's fleet view (`FleetTerms`), so a decision is a dozen vectorised operations over the
+fleet whatever its size; overlap arrives as tiers of holder sets (`serve_app.policies.overlap`).
 
 Choice: let c* = min cost; the near set is every w with cost ≤ c*·(1 + tolerance) +
 tolerance_blocks. If some near worker has o ≥ min_overlap_blocks, pick the near worker with the

@@ -256,3 +256,25 @@ def test_a_long_prefill_keeps_counting_after_a_report_absorbs_it(clock):
     v = ledger.apply(reported)
     assert v.pending_prefill_blocks == 0 and v.running + v.waiting == 2  # a + the other client's
     assert ledger.view("w").prefilling_reported == 0
+
+
+def test_snapshot_counts_per_worker_and_per_replica_share_one_store(ledger, clock):
+    ledger.set_remote("w", {"r2": 3, "r3": 2, "me": 7})  # our own count in the snapshot is ignored
+    ledger.set_remote("x", {"r2": 1})
+    assert (ledger.view("w").remote_pending, ledger.view("x").remote_pending) == (5, 1)
+    ledger.merge_remote("r2", {"w": 1}, at=clock.t)  # a replica's whole export replaces its counts
+    assert (ledger.view("w").remote_pending, ledger.view("x").remote_pending) == (3, 0)
+    ledger.set_remote("w", {"r3": 2})  # r2 no longer counts anything on w
+    assert ledger.view("w").remote_pending == 2
+    ledger.take_dirty()
+    ledger.set_remote("w", {"r3": 2})  # unchanged: nothing to refresh
+    assert ledger.take_dirty() == set()
+    clock.t += 1.5
+    ledger.refresh_remote()  # still in the snapshot: re-dated, survives the TTL
+    clock.t += 1.0
+    assert ledger.view("w").remote_pending == 2
+    ledger.take_dirty()  # (expires what is due)
+    assert ledger.view("w").remote_pending == 2
+    clock.t += 2.5  # not re-dated since: dropped
+    ledger.take_dirty()
+    assert ledger.view("w").remote_pending == 0

@@ -474,3 +474,84 @@ def test_fleet_view_rejects_duplicate_names_and_supports_removal():
     fv.remove("b")
     assert KvAware().choose(req(), fv, random.Random(0)).worker == "a"
     assert len(fv) == 1 and fv.get("b") is None
+
+
+# -- the cost is the module docstring's formula -------------------------------------------------
+
+
+def docstring_cost(w: WorkerView, overlap: int, P: int, B: int, cfg: KvAwareConfig) -> float:
+    """kv_aware's raw cost of one worker, term by term as the module docstring states it."""
+    o = min(overlap, P)
+    if o < max(1, cfg.min_overlap_blocks):
+        o = 0
+    new = P - o
+    prefill = w.pending_prefill_blocks + cfg.remote_request_blocks * w.remote_pending \
+        + new * (1 + cfg.cobatch_weight * (w.prefilling + w.waiting))
+    held = w.kv_active_blocks * w.page_size / B + w.pending_kv_blocks
+    kv = cfg.kv_weight * (held + new)
+    queued = w.waiting + (max(0, w.running + w.pending + w.remote_pending + 1 - w.total_slots) if w.total_slots else 0)
+    over = evict = 0.0
+    if w.kv_total_blocks:
+        total = w.kv_total_blocks * w.page_size / B
+        over = max(0.0, held + new - cfg.kv_high_watermark * total)
+        room = min(total - held, cfg.kv_high_watermark * total - w.hot_blocks)
+        evict = min(new, max(0.0, new - room))
+    live = w.hot_blocks * new / P if P else 0.0
+    return (cfg.prefill_weight * prefill + kv + cfg.queued_request_blocks * queued + cfg.kv_overflow_weight * over
+            + cfg.eviction_weight * evict + cfg.live_weight * live + cfg.followup_weight * w.recent_finished * new)
+
+
+@pytest.mark.parametrize("n", [5, 200])
+@pytest.mark.parametrize("cfg", [KvAwareConfig(), KvAwareConfig(kv_weight=0.5, followup_weight=0.3, min_overlap_blocks=4),
+                                 KvAwareConfig(normalize_by_capacity=False, live_weight=0.0)])
+def test_kv_aware_costs_are_the_docstring_formula(n, cfg):
+    rng = random.Random(n)
+    policy = KvAware(cfg)
+    for _ in range(20):
+        views = [replace(v, prefilling=rng.randrange(3), page_size=rng.choice([1, 16, 32]))
+                 for v in random_fleet(rng, n)]
+        up = [v for v in views if v.state != "down"]
+        if not up:
+            continue
+        ov = {f"w{rng.randrange(n)}": rng.randrange(1, 80) for _ in range(max(1, n // 3))}
+        r = req(rng.randrange(16, 4096), ov)
+        raw = {v.name: docstring_cost(v, ov.get(v.name, 0), r.prompt_blocks, 16, cfg) for v in up}
+        caps = [v.kv_total_blocks * v.page_size for v in up if v.kv_total_blocks]
+        if cfg.normalize_by_capacity and caps and min(caps) != max(caps):
+            mean = sum(caps) / len(caps)
+            raw = {v.name: raw[v.name] * (mean / (v.kv_total_blocks * v.page_size) if v.kv_total_blocks else 1.0)
+                   for v in up}
+        assert policy.costs(r, views) == pytest.approx(raw, rel=1e-9)
+
+
+def test_kv_aware_decides_the_same_on_index_tiers_as_on_a_plain_overlap_dict():
+    """The prefix index answers tiers of its holder sets; kv_aware scatters them by worker id. The
+    decision must be the one a plain {worker: blocks} mapping of the same overlap gives."""
+    from serve_app.policies.fleet import FleetView
+    from serve_app.policies.overlap import Overlap
+
+    rng = random.Random(7)
+    t = [0.0]
+    index = PrefixIndex(clock=lambda: t[0], ttl_s=50.0)
+    shared = list(range(1, 41))
+    prompt = shared + list(range(1000, 1200))
+    views = random_fleet(rng, 300) + [worker("not-in-the-fleet-view")]
+    for v in views:
+        t[0] += 0.1
+        index.record(v.name, shared)
+    for k in range(6):
+        t[0] += 1
+        index.record(f"w{k}", prompt[: 40 + 30 * k])
+    t[0] += 29.0  # the first half of the shared prefix's holders are stale now: fixed per worker
+    fv = FleetView(views[:-1])
+    for p in (prompt, shared[:20], prompt[:70]):
+        ov = index.overlap(p)
+        assert isinstance(ov, Overlap) and ov.fixed and len(ov.tiers) >= (2 if len(p) > 40 else 1)
+        plain = dict(ov.as_dict())
+        assert plain.get("w5") == min(len(p), 190) and "w299" in plain and "w10" not in plain
+        assert plain.get("w0") == min(len(p), 40) and len(plain) < 200
+        r = req(len(p) * 16)
+        for s in range(20):
+            a = KvAware().choose(r.with_overlap(ov), fv, random.Random(s))
+            b = KvAware().choose(r.with_overlap(plain), views[:-1], random.Random(s))
+            assert (a.worker, a.reason) == (b.worker, b.reason)

@@ -256,3 +256,52 @@ def test_hot_blocks_cool_down_when_no_longer_reused():
     clock.t = 10.5  # the conversation ended 10.5 s ago: still indexed, no longer hot
     assert ix.take_changed() == {"a"} and ix.hot_blocks("a") == 0
     assert ix.overlap(convo) == {"a": 12}
+
+
+# -- overlap as tiers ---------------------------------------------------------------------------
+
+
+def test_a_prefix_the_whole_fleet_holds_comes_back_as_a_few_tiers_of_holder_sets():
+    clock = Clock()
+    ix = PrefixIndex(clock=clock)
+    system = chain("system", 40)
+    prompt = system + chain("question", 60)
+    for i in range(2000):
+        ix.record(f"w{i}", system + chain(f"own{i}", 5))
+    for k in range(3):
+        ix.record(f"w{k}", prompt[: 50 + 20 * k])
+    ov = ix.overlap(prompt)
+    assert [blocks for blocks, _ in ov.tiers] == [40, 50, 70, 90] and not ov.fixed
+    assert len(ov) == 2000 and ov["w1999"] == 40 and ov.get("w2") == 90 and ov.get("nobody") is None
+    assert ov == {**{f"w{i}": 40 for i in range(2000)}, "w0": 50, "w1": 70, "w2": 90}
+    assert "w0" in ov and "nobody" not in ov
+
+
+def test_holder_ids_follow_membership_changes():
+    from serve_app.policies.overlap import worker_id
+
+    ix = PrefixIndex(clock=Clock())
+    p = chain("p", 4)
+    ix.record("a", p)
+    ix.record("b", p)
+    ((_, holders),) = ix.overlap(p).tiers
+    assert sorted(holders.ids().tolist()) == sorted([worker_id("a"), worker_id("b")])
+    ix.record("a", p)  # a refresh: same members
+    assert sorted(holders.ids().tolist()) == sorted([worker_id("a"), worker_id("b")])
+    ix.record("c", p)
+    assert sorted(holders.ids().tolist()) == sorted(worker_id(w) for w in "abc")
+    ix.remove_worker("a")
+    assert sorted(holders.ids().tolist()) == sorted(worker_id(w) for w in "bc")
+
+
+def test_only_stale_holders_lose_their_overlap_whatever_order_they_were_refreshed_in():
+    clock = Clock()
+    ix = PrefixIndex(clock=clock, ttl_s=10.0)
+    p = chain("p", 8)
+    for w in ("a", "b", "c", "d"):
+        ix.record(w, p)
+        clock.t += 1
+    clock.t += 5.0  # a, b, c, d last used at 0, 1, 2, 3; now 9
+    ix.record("a", p[:3])  # a refreshes its first 3 blocks: fresh there, stale deeper
+    clock.t += 2.5  # now 11.5: cutoff 1.5 → b (1) stale, c (2) and d (3) fresh
+    assert ix.overlap(p) == {"a": 3, "c": 8, "d": 8}

@@ -30,14 +30,16 @@ def make_core(n: int, *, kv_total_pages: int = 4096, **router: Any) -> tuple[Rou
     return core, clock
 
 
-def report(core: RouterCore, clock: Clock, name: str, **metrics: Any) -> None:
+def report(core: RouterCore, clock: Clock, name: str, in_flight_by_replica: dict[str, int] | None = None,
+           **metrics: Any) -> None:
     m = dict(request_active_slots=0, request_total_slots=64, kv_active_blocks=0, kv_total_blocks=4096,
              num_requests_waiting=0, gpu_cache_usage_perc=0.0, gpu_prefix_cache_hit_rate=0.0,
              data_parallel_rank=0)
     m.update(metrics)
     core.follower.workers[name] = WorkerRecord(name=name, url=f"http://{name}", page_size=16, state="live",
-                                               healthy=True, metrics=m, metrics_at=clock.t, heartbeat_at=clock.t)
-    core._on_fleet_update([name])
+                                               healthy=True, metrics=m, metrics_at=clock.t, heartbeat_at=clock.t,
+                                               in_flight_by_replica=in_flight_by_replica or {})
+    core.on_fleet_update([name])
 
 
 def chat(system: str, question: str) -> dict:
@@ -126,3 +128,89 @@ def test_the_decision_log_holds_every_decision_with_each_candidates_view(tmp_pat
     assert set(cand) == {"w0", "w1"} and cand["w1"]["waiting"] == 3 and cand["w1"]["state"] == "live"
     second = {w: dict(zip(DECISION_LOG_COLUMNS, v)) for w, v in lines[1]["w"].items()}
     assert second[first]["in_flight"] == 1 and second[first]["prefilling"] == 1  # r1, before its first token
+
+
+# -- the per-request ticket -------------------------------------------------------------------
+
+
+def test_a_ticket_books_the_request_and_ends_it_once():
+    core, clock = make_core(2)
+    ticket = core.route(core.facts(chat("sys " * 300, "q")))
+    w = ticket.worker
+    assert ticket.decision.policy == "kv_aware" and ticket.url == f"http://{w}"
+    assert ticket.request.prompt_blocks > 0
+    view = core.ledger.view(w)
+    assert (view.in_flight, view.prefilling) == (1, 1)
+    assert view.pending_prefill_blocks == ticket.request.prompt_blocks  # nothing cached there yet
+    ticket.first_token()
+    view = core.ledger.view(w)
+    assert (view.in_flight, view.prefilling, view.pending_prefill_blocks) == (1, 0, 0)
+    ticket.finished()
+    ticket.failed()  # a second end (e.g. from a finally block) is ignored
+    assert core.ledger.view(w).in_flight == 0 and core.ledger.view(w).recent_finished == 1
+    # the prompt was indexed where it went: the next one with that prefix follows it
+    assert core.route(core.facts(chat("sys " * 300, "another q"))).worker == w
+
+
+def test_a_failed_ticket_frees_its_worker_and_a_retry_excludes_it():
+    core, clock = make_core(2)
+    body = chat("sys " * 300, "q")
+    first = core.route(core.facts(body))
+    first.failed()
+    assert core.ledger.view(first.worker).in_flight == 0 and core.ledger.view(first.worker).recent_finished == 0
+    retry = core.route(core.facts(body), exclude={first.worker})
+    assert retry.worker != first.worker and retry.request_id != first.request_id
+    assert core.ledger.in_flight(retry.worker) == 1
+
+
+def test_the_kv_follower_is_built_around_the_cores_exact_index():
+    built = []
+
+    def make(index: Any) -> Any:
+        built.append(index)
+        return type("Follower", (), {"synced": set(), "ensure": lambda *a: None, "drop": lambda *a: None})()
+
+    core = RouterCore(RouterConfig(), FleetFollower(_unused), "r0", kv_follower=make)
+    assert built == [core.exact] and core.kv_follower is not None
+
+
+# -- other replicas' in-flight counts ---------------------------------------------------------
+
+
+def test_other_replicas_counts_come_from_the_snapshot_and_are_kept_once():
+    core, clock = make_core(2)
+    report(core, clock, "w0", in_flight_by_replica={"r1": 3, "r2": 1, "r0": 9})  # r0: our own, ignored
+    report(core, clock, "w1", in_flight_by_replica={"r1": 2})
+    views = {v.name: v for v in core.views()}
+    assert (views["w0"].remote_pending, views["w1"].remote_pending) == (4, 2)
+    report(core, clock, "w0", in_flight_by_replica={"r2": 5})  # r1 finished its requests on w0
+    views = {v.name: v for v in core.views()}
+    assert (views["w0"].remote_pending, views["w1"].remote_pending) == (5, 2)
+    # counts the snapshot still shows survive the ledger's TTL when re-dated; a silent replica's go
+    for _ in range(3):
+        clock.t += core.ledger.config.remote_ttl_s * 0.6
+        core.refresh_remote()
+    assert {v.name: v.remote_pending for v in core.views()} == {"w0": 5, "w1": 2}
+    del core.follower.workers["w1"]
+    core.on_fleet_update(["w1"])  # w1 left: r1's only count goes with it
+    assert {v.name: v.remote_pending for v in core.views()} == {"w0": 5}
+    assert core.ledger.view("w1").remote_pending == 0
+    clock.t += core.ledger.config.remote_ttl_s + 1  # nothing re-dated them: the replicas are gone
+    assert {v.name: v.remote_pending for v in core.views()} == {"w0": 0}
+
+
+def test_excluded_workers_are_never_chosen_and_the_fleet_view_is_left_as_it_was():
+    import pytest
+
+    from serve_app.policies.base import NoWorkerAvailable
+
+    core, clock = make_core(3)
+    report(core, clock, "w1", kv_total_blocks=4096, request_active_slots=0)  # w1 is the cheapest...
+    report(core, clock, "w0", request_active_slots=30)
+    report(core, clock, "w2", request_active_slots=30)
+    before = list(core.views())
+    picks = {core.route(core.facts(chat(f"s{i} " * 50, "q")), exclude={"w1"}).worker for i in range(20)}
+    assert picks <= {"w0", "w2"} and picks
+    assert [v.state for v in core.views()] == [v.state for v in before] == ["live"] * 3
+    with pytest.raises(NoWorkerAvailable, match="all 3 are excluded"):
+        core.decide(core.facts(chat("s", "q")), exclude={"w0", "w1", "w2", "gone"})
