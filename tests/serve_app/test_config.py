@@ -157,3 +157,23 @@ def test_namespace_and_deployment_name_are_defined_once_and_shared():
     assert serve_app.config.NAMESPACE is actors.models.NAMESPACE
     assert "ROUTER_DEPLOYMENT" not in vars(serve_app.deploy_check)  # no copy of the deployment name
     assert serve_app.deploy_check.DEPLOYMENT_NAME is serve_app.config.DEPLOYMENT_NAME
+
+
+def test_every_fleet_file_in_the_examples_and_docs_is_a_valid_config():
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[2]
+    found = []
+    for p in sorted((root / "examples").glob("*.yaml")):
+        found.append(p.name)
+        parse_config(yaml.safe_load(p.read_text()), p.name)
+    for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for i, block in enumerate(re.findall(r"```yaml\n(.*?)```", p.read_text(), re.S)):
+            raw = yaml.safe_load(block)
+            if isinstance(raw, dict) and isinstance(raw.get("workers"), list):
+                found.append(f"{p.name}#{i}")
+                parse_config(raw, f"{p.name}#{i}")
+    assert "configuration.md#0" in found and "fleet-sim.yaml" in found

@@ -308,9 +308,12 @@ def test_attach_example_names_two_local_workers_with_their_metrics_endpoints():
     assert not any(w.managed for w in fleet.workers)
 
 
-def test_sim_example_launches_simulated_workers():
-    fleet = load_fleet(ROOT / "examples" / "fleet-sim.yaml")
+def test_sim_example_launches_simulated_workers_and_sets_its_router():
+    from serve_app.config import load_config
+
+    fleet = load_config(ROOT / "examples" / "fleet-sim.yaml")  # kvroute serve reads the whole tree
     assert {w.engine for w in fleet.workers} == {"sim"} and len(fleet.expanded()) >= 2
+    assert fleet.router.block_size == fleet.workers[0].page_size
 
 
 def test_cluster_fleet_fits_the_gpu_node_type_it_asks_for(prepared):

@@ -15,6 +15,7 @@ from tests.sglang.compat import RELEASE, sglang  # noqa: F401  (skips the module
 
 from actors.fleet import parse_fleet
 from actors.launcher import build_command
+from serve_app.config import parse_config
 
 pytestmark = pytest.mark.sglang
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,7 +39,7 @@ def _fleets() -> list[tuple[str, dict]]:
 def _sglang_specs() -> list[tuple[str, object]]:
     specs = []
     for where, raw in _fleets():
-        for w in parse_fleet(raw, where).expanded():
+        for w in parse_config(raw, where).expanded():  # the whole tree: a file may carry router:
             if w.engine == "sglang":
                 specs.append((f"{where}:{w.name}", w))
     return specs
