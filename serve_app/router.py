@@ -123,6 +123,12 @@ class RouterCore:
         dead replicas; the ledger would otherwise drop live ones that simply did not change)."""
         self.ledger.refresh_remote()
 
+    def in_flight_share(self) -> dict[str, int]:
+        """What this replica tells the others, per share interval: its pending counts per worker
+        (only non-zero ones). Also re-dates the other replicas' counts the snapshot still shows."""
+        self.ledger.refresh_remote()
+        return self.ledger.export()
+
     def views(self) -> FleetView:
         hot = self.prefix.take_changed()
         if hot:

@@ -214,3 +214,12 @@ def test_excluded_workers_are_never_chosen_and_the_fleet_view_is_left_as_it_was(
     assert [v.state for v in core.views()] == [v.state for v in before] == ["live"] * 3
     with pytest.raises(NoWorkerAvailable, match="all 3 are excluded"):
         core.decide(core.facts(chat("s", "q")), exclude={"w0", "w1", "w2", "gone"})
+
+
+def test_the_in_flight_share_is_this_replicas_pending_counts():
+    core, clock = make_core(2)
+    assert core.in_flight_share() == {}
+    ticket = core.route(core.facts(chat("sys " * 100, "q")))
+    assert core.in_flight_share() == {ticket.worker: 1}
+    ticket.finished()
+    assert core.in_flight_share() == {}
