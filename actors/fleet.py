@@ -203,18 +203,18 @@ def _model_at(model: type, loc: list[Any]) -> type | None:
             tp = hints[p]
         else:
             return None
-        tp = _unwrap(tp)
+        tp = model_in(tp)
     return tp if _fields_of(tp) is not None else None
 
 
-def _unwrap(tp: Any) -> Any:
+def model_in(tp: Any) -> Any:
     """The model inside `Optional[X]`, `list[X]`, `X | str` … (the first one found), else `tp`."""
     import typing
 
     if _fields_of(tp) is not None:
         return tp
     for arg in typing.get_args(tp):
-        found = _unwrap(arg)
+        found = model_in(arg)
         if _fields_of(found) is not None:
             return found
     return tp

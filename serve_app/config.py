@@ -144,14 +144,15 @@ class RequestFactsConfig(BaseModel):
 class RouterConfig(BaseModel):
     """How one router deployment behaves (`router:` in the fleet file or the Serve app args)."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     policy: str = Field(DEFAULT_POLICY, description="default policy; the x-kvroute-policy header overrides it")
     api_key: str | None = Field(
         None, description=f"Bearer key for every route but /healthz, ≥ 8 characters (env {API_KEY_ENV})"
     )
     admin_key: str | None = Field(
-        None, description=f"Bearer key for fleet changes, ≥ 8 characters; unset = /admin disabled (env {ADMIN_KEY_ENV})"
+        None,
+        description=f"Bearer key for fleet changes, ≥ 8 characters; unset = /admin disabled (env {ADMIN_KEY_ENV})",
     )
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="request bodies above are refused (413)")
     max_header_bytes: int = Field(64 * 1024, gt=0, description="requests with larger headers are refused (431)")
@@ -359,12 +360,12 @@ def _is_section(tp: Any) -> bool:
 def sections(tp: type | None = None, path: str = "") -> list[tuple[str, type]]:
     """(dotted path, model or dataclass) of every section of the tree (default: `KvrouteConfig`), the
     root first with path '' ; list items appear once (`workers`)."""
-    from actors.fleet import _unwrap
+    from actors.fleet import model_in
 
     tp = tp or KvrouteConfig
     out: list[tuple[str, type]] = [(path, tp)]
     for name, ann, _, _ in _rows(tp):
-        sub = _unwrap(ann)
+        sub = model_in(ann)
         if _is_section(sub):
             out += sections(sub, f"{path}.{name}" if path else name)
     return out
@@ -394,7 +395,8 @@ def _section_md(path: str, tp: type) -> list[str]:
     for name, ann, default, desc in _rows(tp):
         if _is_section(ann):
             subs.append((name, ann))
-            lines.append(f"| `{name}` | section | | {_cell(desc)} — see [`{path}.{name}`](#{_anchor(path + '.' + name)}) |")
+            sub_path = f"{path}.{name}"
+            lines.append(f"| `{name}` | section | | {_cell(desc)} — see [`{sub_path}`](#{_anchor(sub_path)}) |")
             continue
         lines.append(f"| `{name}` | `{_cell(_type_name(ann))}` | {_cell(_default_text(default))} | {_cell(desc)} |")
     lines.append("")

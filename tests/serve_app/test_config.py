@@ -111,7 +111,8 @@ def test_every_router_section_reaches_the_component_it_configures():
 
 
 def test_breaker_section_validates_like_the_flat_keys_did():
-    assert RouterConfig.model_validate({"breaker": {"failures_to_open": 2, "open_s": 30}}).breaker == BreakerConfig(2, 30)
+    cfg = RouterConfig.model_validate({"breaker": {"failures_to_open": 2, "open_s": 30}})
+    assert cfg.breaker == BreakerConfig(2, 30)
     for bad in ({"failures_to_open": 0}, {"open_s": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             RouterConfig.model_validate({"breaker": bad})
