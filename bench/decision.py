@@ -4,8 +4,11 @@ Run: python bench/decision.py [--iters N] [--workers 10,100,1000,10000]
 
 Prints p50/p99 µs per call of: RouteRequest extraction (body → facts, once per request),
 prefix-index lookup (overlap for that prompt), each policy's `choose` on a `FleetView` (as the
-router holds the fleet), kv_aware on a plain list for reference, and the per-request ledger
-bookkeeping including the refresh of the routed worker's view.
+router holds the fleet), kv_aware on a plain list for reference, the per-request ledger
+bookkeeping including the refresh of the routed worker's view, the pieces' cycle, and the
+router's own cycle: `RouterCore.route` (prefix overlap, fleet refresh, kv_aware, ledger and prefix
+bookkeeping) plus the ticket's first token and end, on a RouterCore fed the same fleet as records.
+Every worker overlaps the prompt by its ~40-block system prompt (the hard case) and 4 by more.
 """
 
 from __future__ import annotations
@@ -22,11 +25,14 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import machine  # noqa: E402
+from serve_app.config import RouterConfig  # noqa: E402
+from serve_app.follower import FleetFollower, WorkerRecord  # noqa: E402
 from serve_app.ledger import Ledger, refresh_fleet  # noqa: E402
 from serve_app.policies import POLICIES, WorkerView, get_policy  # noqa: E402
 from serve_app.policies.fleet import FleetView  # noqa: E402
 from serve_app.prefix_index import PrefixIndex  # noqa: E402
 from serve_app.request_facts import facts_from_body  # noqa: E402
+from serve_app.router import RouterCore  # noqa: E402
 
 TARGET_P50_US = {10: 5, 100: 20, 1000: 150}  # kv_aware decision targets
 CYCLE_TARGET_P50_US = {1000: 300, 10_000: 1000}  # the whole routing cycle (issue 17)
@@ -59,6 +65,31 @@ def fleet(n: int, rng: random.Random) -> list[WorkerView]:
             pending_kv_blocks=rng.randrange(0, 300), hot_blocks=rng.randrange(0, 2000),
         ))
     return out
+
+
+async def _no_aggregator() -> object:
+    raise RuntimeError("bench/decision.py feeds the RouterCore by hand")
+
+
+def router_core(views: list[WorkerView], body: dict) -> RouterCore:
+    """A RouterCore holding `views` as follower records (reported figures), with the same prefix
+    history as the bench's own index."""
+    follower = FleetFollower(_no_aggregator)
+    core = RouterCore(RouterConfig(policy="kv_aware", seed=0), follower, "bench")
+    now = time.monotonic()
+    for v in views:
+        follower.workers[v.name] = WorkerRecord(
+            name=v.name, url=v.url, page_size=v.page_size, state=v.state, healthy=True, metrics_at=now,
+            heartbeat_at=now, metrics={"request_active_slots": v.running, "request_total_slots": v.total_slots,
+                                       "num_requests_waiting": v.waiting, "kv_active_blocks": v.kv_active_blocks,
+                                       "kv_total_blocks": v.kv_total_blocks})
+    core.on_fleet_update(list(follower.workers))
+    for i, v in enumerate(views):
+        core.prefix.record(v.name, core.facts(body_4k(10_000 + i)).block_hashes[:40])
+    own = core.facts(body).block_hashes
+    for k in range(min(4, len(views))):
+        core.prefix.record(views[k].name, own[: 60 * (k + 1)])
+    return core
 
 
 def timeit(fn: Callable[[], object], iters: int) -> tuple[float, float]:
@@ -141,7 +172,17 @@ def main() -> None:
             ledger.on_finished("y")
 
         p50, p99 = timeit(cycle, iters)
-        rows.append(("full cycle: overlap + kv_aware + ledger + refresh", n, p50, p99))
+        rows.append(("pieces' cycle: overlap + kv_aware + ledger + refresh", n, p50, p99))
+        core = router_core(views, body)
+        routed = core.facts(body)
+
+        def router_cycle() -> None:  # the router's own path once the body is parsed
+            ticket = core.route(routed)
+            ticket.first_token()
+            ticket.finished()
+
+        p50, p99 = timeit(router_cycle, iters)
+        rows.append(("full cycle: RouterCore.route + ticket first_token/finished", n, p50, p99))
 
     print(f"# Decision cost — {machine.describe()}\n")
     print("command: `" + " ".join(["python bench/decision.py", *sys.argv[1:]]) + "`\n")
