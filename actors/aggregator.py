@@ -42,6 +42,7 @@ logger = logging.getLogger("kvroute.aggregator")
 AGGREGATOR_NAME = "kvroute-aggregator"
 _PORTS_KEY = b"kvroute-aggregator-ports"  # Ray internal KV: where the last incarnation listened
 _DRAIN_BATCH = 4096
+_BUSY_FRAMES = 8  # frames per publish_interval_s from which deltas go every publish_interval_s
 
 
 def _node_ip() -> str:
@@ -184,12 +185,17 @@ class Aggregator:
         s, reg, sock = self.settings, self._registry, self._pull
         raw = zmq.Socket.shadow(sock.underlying)  # sync view of the same socket for cheap drains
         token = self._token.encode()
-        last_pub = last_tick = 0.0
+        last_pub = last_tick = last_drain = 0.0
         while True:
             try:
                 drained = self._drain(raw, reg, token)
                 busy = self._pending  # these frames changed something (not heartbeats alone)
                 now = time.monotonic()
+                # a fleet that sends fewer than _BUSY_FRAMES per publish_interval_s is coalesced over
+                # coalesce_s instead: a wake-up (here and in every follower) per few reports is most of
+                # what a small fleet's plane costs, a delta of 100s of workers is worth one every window
+                many = drained >= _BUSY_FRAMES * max(now - last_drain, 1e-3) / s.publish_interval_s
+                last_drain = now
                 if now - last_tick >= s.state_tick_s:
                     self._pending |= reg.tick()
                     last_tick = now
@@ -202,7 +208,10 @@ class Aggregator:
                 if drained or self._pending:
                     # heartbeats that changed nothing: drain every 5 windows (an idle fleet of
                     # 1,000 is 2,000 frames/s; the first change after a quiet spell waits ≤ 50 ms)
-                    await asyncio.sleep(s.publish_interval_s * (1 if busy or self._pending else 5))
+                    if busy or self._pending:
+                        await asyncio.sleep(s.publish_interval_s if many else s.coalesce_s)
+                    else:
+                        await asyncio.sleep(s.publish_interval_s * 5)
                 else:  # quiet: sleep until a frame arrives or the next tick is due
                     await sock.poll(timeout=1000 * s.state_tick_s, flags=zmq.POLLIN)
             except asyncio.CancelledError:

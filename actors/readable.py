@@ -32,27 +32,44 @@ class SocketWatch:
         self._loop = loop or asyncio.get_running_loop()
         self._fd = sock.getsockopt(zmq.FD)
         self._scheduled = False
-        self._paused = False
-        self._loop.add_reader(self._fd, self._on_readable)
+        self._paused = True
+        self._closed = False
         self.kick()  # messages that arrived before we watched raise no edge
 
     def kick(self) -> None:
-        """Drain soon (after a pause, or when messages may have arrived unseen)."""
-        self._paused = False
+        """Watch again (after a pause) and drain soon: messages may have arrived unseen."""
+        self._resume()
         if not self._scheduled:
             self._scheduled = True
             self._loop.call_soon(self._on_readable)
 
+    def resume_now(self) -> None:
+        """Watch again and drain at once (synchronously), e.g. at the end of a coalescing window."""
+        self._resume()
+        self._on_readable()
+
     def pause(self) -> None:
-        """Stop draining until `kick()` (e.g. while a resync is fetched); messages wait in the socket."""
-        self._paused = True
+        """Stop watching until `kick()`/`resume_now()` (a resync being fetched, a coalescing window):
+        messages wait in the socket. The descriptor leaves the event loop meanwhile — it stays
+        readable while messages wait, and a watched one would wake the loop again and again."""
+        if not self._paused:
+            self._paused = True
+            self._remove()
 
     def close(self) -> None:
+        self._closed = True
+        self.pause()
+
+    def _resume(self) -> None:
+        if self._paused and not self._closed:
+            self._paused = False
+            self._loop.add_reader(self._fd, self._on_readable)
+
+    def _remove(self) -> None:
         try:
             self._loop.remove_reader(self._fd)
-        except (ValueError, OSError):  # the loop or the descriptor is gone already
+        except (ValueError, OSError, RuntimeError):  # the loop or the descriptor is gone already
             pass
-        self._paused = True
 
     def _on_readable(self) -> None:
         self._scheduled = False

@@ -103,7 +103,9 @@ class WorkerActor:
         self._stopping = False
         self._wake = asyncio.Event()
         self._last_push = 0.0
+        self._unpushed = False  # metrics ingested since the last report that was queued
         self._push_timer: asyncio.TimerHandle | None = None
+        self._watch: SocketWatch | None = None
         self._ctx = zmq.asyncio.Context()
         # reports go to the aggregator over ZeroMQ (Ray only finds it): no Ray call per push
         self._link = AggregatorLink(self._resolve_aggregator, ctx=self._ctx, hwm=self.settings.max_pending_pushes,
@@ -320,7 +322,7 @@ class WorkerActor:
         """Receive SGLang's frames: the event loop calls `_drain` when the PULL is readable (one
         callback per arrival, no future per frame); this task only holds the watch until cancelled."""
         raw = zmq.Socket.shadow(self._sock.underlying)  # sync view of the same socket for cheap drains
-        watch = SocketWatch(raw, lambda: self._drain(raw))
+        watch = self._watch = SocketWatch(raw, lambda: self._drain(raw))
         try:
             await asyncio.Event().wait()
         finally:
@@ -342,7 +344,7 @@ class WorkerActor:
                     self.book.refuse("multipart", "multipart message")
                     continue
                 if self.book.ingest(frame) is not None:
-                    fresh = True
+                    fresh = self._unpushed = True
             return True
         except Exception:  # a receive path must never die
             logger.exception("worker %s: receive error", self.name)
@@ -469,21 +471,27 @@ class WorkerActor:
         return self._own_name
 
     def _metrics_arrived(self) -> None:
-        """New SGLang metrics: pushed from the receive loop itself when `push_interval_s` has passed
-        since the last push (one event-loop wake-up per frame, no hand-off to the push loop), else by
-        one timer at the end of the gap, which carries every frame that arrives meanwhile."""
+        """New SGLang metrics, throttled on both edges: the first change after `coalesce_s` without a
+        push goes at once, from the receive callback itself (no hand-off to the push loop); after
+        that the receive watch sleeps until the window ends — SGLang's frames wait in the socket, its
+        actor is not woken per frame — and one push then carries the newest state."""
         if self._push_timer is not None:
             return
-        gap = self.settings.push_interval_s - (time.monotonic() - self._last_push)
-        if gap <= 0 and self._push_now():
-            return
-        self._push_timer = asyncio.get_running_loop().call_later(max(gap, self.settings.push_interval_s * 0.5),
-                                                                 self._timed_push)
+        wait = self.settings.coalesce_s - (time.monotonic() - self._last_push)
+        if wait <= 0:
+            if self._push_now():
+                return
+            wait = self.settings.coalesce_s  # not queued (aggregator away or slow): the push loop retries
+        if self._watch is not None:
+            self._watch.pause()
+        self._push_timer = asyncio.get_running_loop().call_later(wait, self._window_ends)
 
-    def _timed_push(self) -> None:
+    def _window_ends(self) -> None:
         self._push_timer = None
-        if not self._push_now() and self._link.ready():
-            self._metrics_arrived()  # the socket was full: the newest state again after the gap
+        if self._watch is not None:
+            self._watch.resume_now()  # drains what waited; new metrics come back through _metrics_arrived
+        if self._unpushed and self._push_timer is None:
+            self._metrics_arrived()
 
     def _push_now(self) -> bool:
         """Push the newest report if the link is up (else the push loop reconnects and sends it)."""
@@ -493,7 +501,9 @@ class WorkerActor:
             self._wake.set()
             return False
         self._last_push = time.monotonic()
-        return self._link.push_reports([self._report()])
+        ok = self._link.push_reports([self._report()])
+        self._unpushed = self._unpushed and not ok
+        return ok
 
     async def _push_loop(self) -> None:
         """Heartbeats, liveness and status changes, and reconnection: the newest state every
@@ -517,7 +527,9 @@ class WorkerActor:
                     await asyncio.sleep(min(s.reconnect_backoff_s, s.heartbeat_s))
                     continue
                 self._wake.clear()
-                if not self._link.push_reports([self._report()]):
+                if self._link.push_reports([self._report()]):
+                    self._unpushed = False
+                else:
                     self._wake.set()  # not queued: send the newest state again after the gap
                 self._last_push = time.monotonic()
             except asyncio.CancelledError:

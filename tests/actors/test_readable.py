@@ -102,3 +102,39 @@ def test_a_drain_that_raises_is_logged_and_the_next_arrival_is_still_seen(caplog
     asyncio.run(main())
     assert "error while draining" in caplog.text
     push.close(0), pull.close(0), ctx.term()
+
+
+def test_a_paused_watch_does_not_spin_while_frames_wait():
+    """While paused the descriptor leaves the loop: waiting frames must not wake it again and again."""
+    ctx = zmq.Context()
+    push, pull = _pair(ctx, "watch-spin")
+    calls = {"n": 0}
+    got: list[bytes] = []
+
+    def drain() -> bool:
+        calls["n"] += 1
+        try:
+            got.append(pull.recv(zmq.NOBLOCK))
+        except zmq.Again:
+            pass
+        return False
+
+    async def main() -> None:
+        watch = SocketWatch(pull, drain)
+        await asyncio.sleep(0.01)
+        watch.pause()
+        for i in range(5):
+            push.send(b"%d" % i)
+        import time
+
+        cpu0 = time.process_time()
+        await asyncio.sleep(0.1)
+        assert time.process_time() - cpu0 < 0.05, "the loop spun on a paused descriptor"
+        before = calls["n"]
+        watch.resume_now()
+        assert calls["n"] == before + 1 and got == [b"0"]
+        await _until(lambda: len(got) == 5)
+        watch.close()
+
+    asyncio.run(main())
+    push.close(0), pull.close(0), ctx.term()
