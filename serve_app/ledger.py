@@ -23,8 +23,10 @@ produced is taken back out of the report's figures (`finished`) until a newer re
 The view also dates the replica's last dispatch to each worker (`last_routed_at`), which kv_aware
 uses to let workers take turns when nothing is shared.
 
-Router replicas share their pending counts (`export` / `merge_remote`) so they don't herd on each
-other either. Every event is O(1) amortised; the ledger is for one asyncio loop (not thread-safe).
+Router replicas share their pending counts so they don't herd on each other either: `export` is
+what this replica publishes; the others' counts arrive in the fleet snapshot per worker
+(`set_remote`, re-dated by `refresh_remote`) or per replica (`merge_remote`) into one store, and a
+replica not re-dated for `remote_ttl_s` is dropped. Every event is O(1) amortised; the ledger is for one asyncio loop (not thread-safe).
 All times are on the ledger's clock (`time.monotonic` by default).
 """
 
