@@ -214,6 +214,37 @@ class WorkerReady(msgspec.Struct, frozen=True):
     managed: ManagedEngine | None
 
 
+class KvEventsCounters(msgspec.Struct, frozen=True):
+    """A worker actor's KV-event subscription as `stats()` shows it: its log and what it received."""
+
+    seq: int  # the actor's KV log position
+    blocks: int  # blocks the log holds for rank 0
+    refused: dict[str, int]  # batches refused, by reason
+    gaps: int  # sequence gaps seen (each replayed or its rank dropped)
+    replayed: int  # batches recovered from the engine's replay buffer
+    endpoint: str | None
+    subscription: KvEventsStatus
+
+
+class WorkerActorStats(msgspec.Struct, frozen=True):
+    """`WorkerActor.stats()`: what its receive path took and refused, what it pushed, its health."""
+
+    name: str
+    frames_received: int
+    frames_accepted: int
+    frames_refused: int
+    refused_by_reason: dict[str, int]
+    pushes: int
+    pushes_dropped: int  # the aggregator was away or slow; newer state went instead
+    aggregator_connects: int
+    healthy: bool
+    health_detail: str
+    aggregator_epoch: str | None
+    last_refusal: str | None
+    latest: dict[int, dict[str, Any]]  # DP rank → its newest SGLang KvMetrics (token counts, as received)
+    kv_events: KvEventsCounters | None
+
+
 class AggregatorStats(msgspec.Struct, frozen=True):
     """`Aggregator.stats()`: counters for benchmarks and diagnosis."""
 

@@ -27,7 +27,10 @@ from actors.kv_log import KvLog
 from actors.launcher import LaunchError, ManagedProcess
 from actors.link import AggregatorLink
 from actors.models import NAMESPACE, Settings
-from actors.protocol import KvEventsStatus, KvHandshakeSide, KvLogAnswer, RankMetrics, WorkerReady, WorkerReport
+from actors.protocol import (
+    KvEventsCounters, KvEventsStatus, KvHandshakeSide, KvLogAnswer, RankMetrics, WorkerActorStats, WorkerReady,
+    WorkerReport,
+)
 from actors.readable import SocketWatch
 
 logger = logging.getLogger("kvroute.worker")
@@ -242,31 +245,20 @@ class WorkerActor:
             await self.proc.stop()
             raise
 
-    async def stats(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            **self.book.stats.as_dict(),
-            "pushes": self._link.sent,
-            "pushes_dropped": self._link.dropped,  # the aggregator was away or slow; newer state went instead
-            "aggregator_connects": self._link.reconnects,
-            "healthy": self.healthy,
-            "health_detail": self.health_detail,
-            "aggregator_epoch": self._link.epoch,
-            "last_refusal": self.book.last_error,
-            "latest": {r: m.model_dump() for r, m in self.book.latest().items()},
-            "kv_events": None if self.kv_log is None else {
-                "seq": self.kv_log.seq, "blocks": self.kv_log.blocks(), "refused": dict(self._kv_refused),
-                "gaps": sum(t.gaps for t in self._kv_trackers.values()),
-                "replayed": self._kv_replayed, "endpoint": self.spec.kv_events_endpoint,
-                **self._kv_stats_view(),
-            },
-        }
-
-    def _kv_stats_view(self) -> dict[str, Any]:
-        info = self._kv_info()
-        return {"status": info.status, "batches": info.batches,
-                "handshake": [{"rank": h.rank, "kvroute": h.kvroute, "address": h.address} for h in info.handshake],
-                **({"detail": info.detail} if info.detail else {})}
+    async def stats(self) -> WorkerActorStats:
+        b = self.book.stats
+        return WorkerActorStats(
+            name=self.name, frames_received=b.frames_received, frames_accepted=b.frames_accepted,
+            frames_refused=sum(b.refused.values()), refused_by_reason=dict(b.refused),
+            pushes=self._link.sent, pushes_dropped=self._link.dropped, aggregator_connects=self._link.reconnects,
+            healthy=self.healthy, health_detail=self.health_detail, aggregator_epoch=self._link.epoch,
+            last_refusal=self.book.last_error,
+            latest={r: m.model_dump() for r, m in self.book.latest().items()},
+            kv_events=None if self.kv_log is None else KvEventsCounters(
+                seq=self.kv_log.seq, blocks=self.kv_log.blocks(), refused=dict(self._kv_refused),
+                gaps=sum(t.gaps for t in self._kv_trackers.values()), replayed=self._kv_replayed,
+                endpoint=self.spec.kv_events_endpoint, subscription=self._kv_info()),
+        )
 
     @ray.method(enable_task_events=False)  # a long poll per router replica: no task-event bookkeeping
     async def kv_since(self, epoch: str | None, seq: int, timeout_s: float = 5.0) -> KvLogAnswer | None:

@@ -66,9 +66,9 @@ def test_overlap_comes_from_what_the_engine_holds_not_what_the_router_sent(env):
     # sent straight to k1, bypassing the router: only k1's KV events can tell the router about it
     r = httpx.post(f"{infos['k1'].url}/v1/chat/completions", json=_body(prompt), timeout=30)
     assert r.status_code == 200
-    stats = wait_for(lambda: (s := ray.get(actors["k1"].stats.remote()))["kv_events"]["blocks"] > 10 and s, 10,
+    stats = wait_for(lambda: (s := ray.get(actors["k1"].stats.remote())).kv_events.blocks > 10 and s, 10,
                      what="k1's actor holding the engine's blocks")
-    assert stats["kv_events"]["refused"] == {}
+    assert stats.kv_events.refused == {}
     d = wait_for(lambda: (x := c.post("/route", json=_body(prompt)).json())["worker"] == "k1" and _overlap(x) and x,
                  10, what="route to k1 by exact overlap")
     assert _overlap(d) >= 20  # the ~24-block prompt's blocks are cached on k1, and the router knows it
@@ -76,15 +76,15 @@ def test_overlap_comes_from_what_the_engine_holds_not_what_the_router_sent(env):
     assert httpx.post(f"{infos['k1'].url}/flush_cache", timeout=10).status_code == 200
     wait_for(lambda: _overlap(c.post("/route", json=_body(prompt)).json()) == 0, 10,
              what="affinity gone after the engine's cache was flushed")
-    assert ray.get(actors["k1"].stats.remote())["kv_events"]["blocks"] == 0
+    assert ray.get(actors["k1"].stats.remote()).kv_events.blocks == 0
 
 
 def test_workers_table_reports_kv_event_followers(env):
     import ray
 
     stats = ray.get(env["actors"]["k0"].stats.remote())
-    assert stats["kv_events"] is not None and stats["kv_events"]["gaps"] == 0
-    [hs] = stats["kv_events"]["handshake"]
-    assert hs["kvroute"] == "bind" and hs["address"] == stats["kv_events"]["endpoint"]
+    assert stats.kv_events is not None and stats.kv_events.gaps == 0
+    [hs] = stats.kv_events.subscription.handshake
+    assert hs.kvroute == "bind" and hs.address == stats.kv_events.endpoint
     rows = {w["name"]: w for w in env["client"].get("/workers").json()["workers"]}
     assert rows["k1"]["managed"]["kv_events"]["status"] in ("ok", "waiting")

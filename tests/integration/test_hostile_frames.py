@@ -319,7 +319,7 @@ def _identity(actor) -> tuple[int, str]:
     return ray.get(actor.__ray_call__.remote(lambda self: (os.getpid(), self.incarnation)), timeout=10)
 
 
-def _stats(actor, timeout: float = 10) -> dict[str, Any]:
+def _stats(actor, timeout: float = 10) -> Any:  # a WorkerActorStats
     import ray
 
     return ray.get(actor.stats.remote(), timeout=timeout)
@@ -429,11 +429,11 @@ def test_more_than_30000_hostile_frames_crash_nothing_run_nothing_and_are_counte
     # while the hostile frames pour in, the valid stream's value must stay fresh in the actor and
     # in the aggregator
     while (time.monotonic() - t0 < 30 and
-           _stats(actor)["frames_received"] - before["frames_received"] < len(corpus) + valid.sent):
+           _stats(actor).frames_received - before.frames_received < len(corpus) + valid.sent):
         now = time.monotonic()
         s = _stats(actor)
-        if s["latest"]:
-            stale["actor"] = max(stale["actor"], valid.staleness_s(s["latest"][0]["kv_active_blocks"], now))
+        if s.latest:
+            stale["actor"] = max(stale["actor"], valid.staleness_s(s.latest[0]["kv_active_blocks"], now))
         m = _agg_metrics(agg, name)
         if m:
             stale["aggregator"] = max(stale["aggregator"], valid.staleness_s(m["kv_active_blocks"], time.monotonic()))
@@ -445,7 +445,7 @@ def test_more_than_30000_hostile_frames_crash_nothing_run_nothing_and_are_counte
     done.set()
     sender.join(10)
     last = valid.last_value
-    wait_for(lambda: _stats(actor)["frames_received"] - before["frames_received"] == len(corpus) + valid.sent, 20,
+    wait_for(lambda: _stats(actor).frames_received - before.frames_received == len(corpus) + valid.sent, 20,
              what=f"all {len(corpus)} hostile + {valid.sent} valid messages received")
     elapsed = time.monotonic() - t0
     after = _stats(actor)
@@ -455,13 +455,13 @@ def test_more_than_30000_hostile_frames_crash_nothing_run_nothing_and_are_counte
     # 0 executions: none of the payloads created its file
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     # every refusal counted under its reason, exactly
-    got = Counter(after["refused_by_reason"]) - Counter(before["refused_by_reason"])
+    got = Counter(after.refused_by_reason) - Counter(before.refused_by_reason)
     assert dict(got) == dict(expected), {k: (got[k], expected[k]) for k in set(got) | set(expected) if got[k] != expected[k]}
-    assert after["frames_refused"] - before["frames_refused"] == len(corpus)
+    assert after.frames_refused - before.frames_refused == len(corpus)
     # exactly the valid frames were accepted, and the latest value is the last one sent, exactly
-    assert after["frames_accepted"] - before["frames_accepted"] == valid.sent
+    assert after.frames_accepted - before.frames_accepted == valid.sent
     assert valid.sent >= 200, f"the valid emitter only sent {valid.sent} frames"
-    assert after["latest"][0] == _valid_values(last)
+    assert after.latest[0] == _valid_values(last)
     # the aggregator has it too, promptly (kv blocks: page_size 1 → tokens)
     t_last = valid.sent_at[-1]
     m = wait_for(lambda: (x := _agg_metrics(agg, name)) and x["kv_active_blocks"] == last and x, 2,
@@ -508,26 +508,26 @@ def test_a_frame_above_the_1_mib_hard_limit_drops_only_its_sender(live):
     giant = _push(live["endpoint"])
     try:
         other.start()
-        wait_for(lambda: (s := _stats(actor))["latest"] and s["latest"][0]["kv_active_blocks"] >= 1_000_000, 5,
+        wait_for(lambda: (s := _stats(actor)).latest and s.latest[0]["kv_active_blocks"] >= 1_000_000, 5,
                  what="the other emitter's frames")
         before = _stats(actor)
         for size in (HARD_LIMIT + 1, 4 * HARD_LIMIT, 32 * HARD_LIMIT):  # 1 MiB + 1 B, 4 MiB, 32 MiB
             giant.send(b"\x80" + b"\x00" * (size - 1))
         mark = other.last_value
-        wait_for(lambda: _stats(actor)["latest"][0]["kv_active_blocks"] > mark + 50, 5,
+        wait_for(lambda: _stats(actor).latest[0]["kv_active_blocks"] > mark + 50, 5,
                  what="the other emitter still getting through")
         other.stop_evt.set()
         other.join(5)
         final = other.last_value
-        after = wait_for(lambda: (s := _stats(actor))["latest"][0]["kv_active_blocks"] == final and s, 5,
+        after = wait_for(lambda: (s := _stats(actor)).latest[0]["kv_active_blocks"] == final and s, 5,
                          what="the other emitter's last value")
     finally:
         other.stop_evt.set()
         giant.close(linger=0)
     assert _identity(actor) == identity
     # the giants never reached the application: nothing refused, every counted frame was valid
-    assert after["frames_refused"] == before["frames_refused"]
-    assert after["frames_received"] - before["frames_received"] == after["frames_accepted"] - before["frames_accepted"]
+    assert after.frames_refused == before.frames_refused
+    assert after.frames_received - before.frames_received == after.frames_accepted - before.frames_accepted
 
 
 def test_a_frame_of_exactly_max_frame_bytes_is_read_and_one_byte_more_is_not(live):
@@ -538,13 +538,13 @@ def test_a_frame_of_exactly_max_frame_bytes_is_read_and_one_byte_more_is_not(liv
         before = _stats(actor)
         sock.send(head + b"\x00" * (MAX_FRAME - len(head)))  # trailing bytes after STOP are ignored
         sock.send(encode_kv_metrics("0.5.8", **_valid_values(5_000_001)) + b"\x00" * (MAX_FRAME + 1 - len(head)))
-        after = wait_for(lambda: (s := _stats(actor))["frames_received"] - before["frames_received"] == 2 and s, 5,
+        after = wait_for(lambda: (s := _stats(actor)).frames_received - before.frames_received == 2 and s, 5,
                          what="both frames received")
     finally:
         sock.close(linger=0)
-    assert after["frames_accepted"] - before["frames_accepted"] == 1
-    assert after["refused_by_reason"]["oversized"] - before["refused_by_reason"].get("oversized", 0) == 1
-    assert after["latest"][0]["kv_active_blocks"] == 5_000_000
+    assert after.frames_accepted - before.frames_accepted == 1
+    assert after.refused_by_reason["oversized"] - before.refused_by_reason.get("oversized", 0) == 1
+    assert after.latest[0]["kv_active_blocks"] == 5_000_000
 
 
 # --- frames that would cost far more than their size -----------------------------------------
@@ -594,7 +594,7 @@ def _send_and_count(live, frame: bytes, timeout: float = 60) -> tuple[dict, dict
     try:
         t0 = time.monotonic()
         sock.send(frame)
-        after = wait_for(lambda: (s := _stats(actor, timeout=timeout))["frames_received"] > before["frames_received"] and s,
+        after = wait_for(lambda: (s := _stats(actor, timeout=timeout)).frames_received > before.frames_received and s,
                          timeout, what="the frame received")
         return before, after, time.monotonic() - t0
     finally:
@@ -607,8 +607,8 @@ def test_a_deeply_nested_value_is_refused_as_invalid_value(live):
     frame = _splice("0.5.12", "request_active_slots", _nested_lists(20_000))
     assert len(frame) < MAX_FRAME
     before, after, _ = _send_and_count(live, frame)
-    assert after["frames_refused"] - before["frames_refused"] == 1
-    assert after["refused_by_reason"].get("invalid_value", 0) - before["refused_by_reason"].get("invalid_value", 0) == 1
+    assert after.frames_refused - before.frames_refused == 1
+    assert after.refused_by_reason.get("invalid_value", 0) - before.refused_by_reason.get("invalid_value", 0) == 1
 
 
 def test_a_sub_kilobyte_frame_cannot_stall_the_actor(live):
@@ -617,7 +617,7 @@ def test_a_sub_kilobyte_frame_cannot_stall_the_actor(live):
     frame = _splice("0.5.12", "num_requests_waiting", _doubling_lists(23))
     assert len(frame) < 1024
     before, after, seconds = _send_and_count(live, frame)
-    assert after["refused_by_reason"].get("invalid_value", 0) - before["refused_by_reason"].get("invalid_value", 0) == 1
+    assert after.refused_by_reason.get("invalid_value", 0) - before.refused_by_reason.get("invalid_value", 0) == 1
     assert seconds < 0.5, f"one {len(frame)}-byte frame kept the actor busy for {seconds:.1f} s"
 
 
@@ -636,7 +636,7 @@ def test_a_tiny_frame_cannot_make_the_actor_allocate_hundreds_of_mib(live):
     peak_before = _peak_rss_mib(pid)
     before, after, _ = _send_and_count(live, frame)
     grown = _peak_rss_mib(pid) - peak_before
-    assert after["frames_refused"] - before["frames_refused"] == 1
+    assert after.frames_refused - before.frames_refused == 1
     assert grown < 64, f"a {len(frame)}-byte frame raised the actor's peak RSS by {grown:.0f} MiB"
 
 
@@ -701,17 +701,17 @@ def test_a_count_too_large_for_a_float_is_refused_and_routing_keeps_working(live
             **{f"route {p}": (r.status_code, r.json().get("worker")) for p, r in picks.items()},
             "workers": c.get("/workers").status_code,
             "metrics": c.get("/metrics").status_code,
-            "refused as invalid_value": after["refused_by_reason"].get("invalid_value", 0)
-            - before["refused_by_reason"].get("invalid_value", 0) == 1,
+            "refused as invalid_value": after.refused_by_reason.get("invalid_value", 0)
+            - before.refused_by_reason.get("invalid_value", 0) == 1,
         }
         assert statuses == {"route least_loaded": (200, "hostile-clean"), "route kv_aware": (200, "hostile-clean"),
                             "workers": 200, "metrics": 200, "refused as invalid_value": True}
-        assert _stats(live["actor"])["latest"][0]["num_requests_waiting"] == 50
+        assert _stats(live["actor"]).latest[0]["num_requests_waiting"] == 50
     finally:  # leave the worker with a sane value for the tests after this one
         sock = _push(live["endpoint"])
         sock.send(encode_kv_metrics("0.5.23", **_valid_values(21)))
         sock.close(linger=100)
-        wait_for(lambda: _stats(live["actor"])["latest"][0]["kv_active_blocks"] == 21, 5, what="reset value")
+        wait_for(lambda: _stats(live["actor"]).latest[0]["kv_active_blocks"] == 21, 5, what="reset value")
 
 
 # --- who can reach the PULL at all ---------------------------------------------------------------

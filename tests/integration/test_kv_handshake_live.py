@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from actors.fleet import parse_fleet
+from actors.protocol import KvHandshakeSide
 from sim.config import SimConfig
 from sim.launch import SimProcess, free_port
 from tests.integration.helpers import wait_for
@@ -70,10 +71,10 @@ def test_both_sides_connecting_is_reported_as_silent_with_the_likely_cause(env):
 
     c, actors, infos = env["client"], env["actors"], env["infos"]
     _chat(infos["mismatch"].url)  # the engine now holds pages and says so in KvMetrics
-    stats = wait_for(lambda: (s := ray.get(actors["mismatch"].stats.remote()))["kv_events"]["status"] == "silent"
+    stats = wait_for(lambda: (s := ray.get(actors["mismatch"].stats.remote())).kv_events.subscription.status == "silent"
                      and s, 15, what="mismatch flagged silent")
-    assert stats["kv_events"]["batches"] == 0 and stats["kv_events"]["handshake"][0]["kvroute"] == "connect"
-    assert "bind/connect mismatch" in stats["kv_events"]["detail"]
+    assert stats.kv_events.subscription.batches == 0 and stats.kv_events.subscription.handshake[0].kvroute == "connect"
+    assert "bind/connect mismatch" in stats.kv_events.subscription.detail
     row = wait_for(lambda: next(w for w in c.get("/workers").json()["workers"] if w["name"] == "mismatch")
                    ["managed"]["kv_events"]["status"] == "silent", 10, what="/workers shows silent")
     assert row
@@ -87,11 +88,12 @@ def test_a_late_subscriber_replays_what_the_engine_cached_before_it_existed(env)
 
     actors, infos = env["actors"], env["infos"]
     _chat(infos["late"].url, "a second prompt that is live, not replayed " * 10)
-    stats = wait_for(lambda: (s := ray.get(actors["late"].stats.remote()))["kv_events"]["replayed"] > 0 and s, 15,
+    stats = wait_for(lambda: (s := ray.get(actors["late"].stats.remote())).kv_events.replayed > 0 and s, 15,
                      what="replay of batches published before the actor subscribed")
-    assert stats["kv_events"]["handshake"][0] == {"rank": 0, "kvroute": "connect",
-                                                   "address": f"tcp://127.0.0.1:{env['sim'].config.kv_events_endpoint.rsplit(':', 1)[1]}"}
-    assert stats["kv_events"]["status"] == "ok" and stats["kv_events"]["refused"] == {}
+    port = env['sim'].config.kv_events_endpoint.rsplit(':', 1)[1]
+    assert stats.kv_events.subscription.handshake[0] == KvHandshakeSide(rank=0, kvroute="connect",
+                                                                        address=f"tcp://127.0.0.1:{port}")
+    assert stats.kv_events.subscription.status == "ok" and stats.kv_events.refused == {}
     # the first prompt (cached before the actor existed) routes by exact overlap to 'late'
     d = wait_for(lambda: (x := env["client"].post("/route", json={
         "model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": PROMPT}]}).json())["worker"] == "late"

@@ -132,12 +132,12 @@ def test_hostile_frames_are_counted_and_refused_while_valid_values_arrive(fleet_
     em["w1"].send(request_active_slots=42)
     wait_for(lambda: _workers(c)["w1"]["metrics"]["request_active_slots"] == 42, 5, what="last valid value")
     after = ray.get(actors["w1"].stats.remote())
-    refused = after["frames_refused"] - before["frames_refused"]
+    refused = after.frames_refused - before.frames_refused
     assert refused == 21  # 20 hostile frames + 1 multipart message
-    assert after["frames_accepted"] - before["frames_accepted"] == 21
-    assert after["refused_by_reason"]["forbidden_global"] - before["refused_by_reason"].get("forbidden_global", 0) == 4
-    assert after["refused_by_reason"]["oversized"] >= 4
-    assert after["refused_by_reason"]["multipart"] >= 1
+    assert after.frames_accepted - before.frames_accepted == 21
+    assert after.refused_by_reason["forbidden_global"] - before.refused_by_reason.get("forbidden_global", 0) == 4
+    assert after.refused_by_reason["oversized"] >= 4
+    assert after.refused_by_reason["multipart"] >= 1
     assert not target.exists()
 
 

@@ -43,10 +43,10 @@ def test_a_simulated_worker_sending_this_form_is_decoded_by_its_actor(managed, i
     r = httpx.post(f"{infos[name].url}/v1/completions",
                    json={"model": "m", "prompt": "the quick brown fox " * 20, "max_tokens": 45}, timeout=30)
     assert r.status_code == 200
-    stats = wait_for(lambda: (s := ray.get(actors[name].stats.remote()))["frames_accepted"] >= 2 and s, 10,
+    stats = wait_for(lambda: (s := ray.get(actors[name].stats.remote())).frames_accepted >= 2 and s, 10,
                      what=f"{form} frames accepted")
-    assert stats["frames_refused"] == 0, stats["refused_by_reason"]
-    latest = stats["latest"][0]
+    assert stats.frames_refused == 0, stats.refused_by_reason
+    latest = stats.latest[0]
     assert latest["request_total_slots"] == 32  # the sim's max_running_requests, as SGLang reports it
     assert latest["kv_total_blocks"] > 0
 

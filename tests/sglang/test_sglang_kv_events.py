@@ -145,7 +145,10 @@ def _publish(env, *, drop: bool = False) -> list:
 def _kv(env) -> dict:
     import ray
 
-    return ray.get(env["actors"]["sg"].stats.remote())["kv_events"]
+    import msgspec
+
+    kv = ray.get(env["actors"]["sg"].stats.remote()).kv_events  # a typed KvEventsCounters
+    return {**msgspec.structs.asdict(kv), "batches": kv.subscription.batches}
 
 
 def _prime(env) -> None:

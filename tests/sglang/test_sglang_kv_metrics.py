@@ -65,10 +65,10 @@ def test_sglangs_publisher_into_the_decoder_and_a_live_worker_actor_every_frame_
             frames.append(pull.recv())
         assert len(sent) == COUNT and len(frames) == COUNT
         assert [decode_kv_metrics(f).model_dump() for f in frames] == sent
-        stats = wait_for(lambda: (s := ray.get(actor.stats.remote()))["frames_accepted"] >= COUNT and s, 20,
+        stats = wait_for(lambda: (s := ray.get(actor.stats.remote())).frames_accepted >= COUNT and s, 20,
                          what="all frames accepted by the actor")
-        assert stats["frames_accepted"] == COUNT and stats["frames_refused"] == 0, stats["refused_by_reason"]
-        assert stats["latest"][0] == sent[-1]  # the newest report, every field exact
+        assert stats.frames_accepted == COUNT and stats.frames_refused == 0, stats.refused_by_reason
+        assert stats.latest[0] == sent[-1]  # the newest report, every field exact
     finally:
         pull.close(linger=0)
         ctx.term()
