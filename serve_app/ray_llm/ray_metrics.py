@@ -1,0 +1,151 @@
+"""kvroute's figures through `ray.util.metrics`: they reach the Ray cluster's Prometheus (and Ray's
+Grafana) with no new scrape target. The router's own `/metrics` (`serve_app.metrics`) stays for
+kvroute's HTTP front door; the names here are the same figures, listed once in `METRICS`.
+
+Ray's metrics agent exports every application metric with a `ray_` prefix; counters carry a
+`_total` suffix and histograms `_bucket`/`_sum`/`_count` — `prometheus_names()` spells that out for
+dashboards (`deploy/grafana/kvroute-ray.json`, checked against it by a test).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from actors.ingest import MetricsBook
+    from serve_app.router import RouterCore
+
+logger = logging.getLogger("kvroute.ray_llm.metrics")
+
+_STATES = ("live", "idle", "down")
+LATENCY_BOUNDARIES_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
+DECISION_BOUNDARIES_S = [1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2]
+
+# name → (kind, description, tag keys); the one list of what kvroute exports through Ray
+METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "kvroute_router_decisions": ("counter", "Routing decisions of kvroute's Serve request router, by policy and "
+                                 "reason (prefix: the pick holds part of the prompt; load; no_metrics, "
+                                 "aggregator_stale, no_prompt, no_worker: load-balanced by Serve)",
+                                 ("deployment", "policy", "reason")),
+    "kvroute_router_decision_seconds": ("histogram", "Time choose_replicas spent deciding, per request",
+                                        ("deployment",)),
+    "kvroute_worker_in_flight_requests": ("gauge", "Requests this router sent to the replica and not finished",
+                                          ("deployment", "worker")),
+    "kvroute_worker_state": ("gauge", "1 for the replica's current state (live, idle, down)",
+                             ("deployment", "worker", "state")),
+    "kvroute_worker_running_requests": ("gauge", "Reported running requests", ("deployment", "worker")),
+    "kvroute_worker_waiting_requests": ("gauge", "Reported queued requests", ("deployment", "worker")),
+    "kvroute_worker_kv_usage_ratio": ("gauge", "Reported KV cache use (0..1)", ("deployment", "worker")),
+    "kvroute_worker_metrics_age_seconds": ("gauge", "Age of the replica's newest KvMetrics (-1: none yet)",
+                                           ("deployment", "worker")),
+    "kvroute_snapshot_age_seconds": ("gauge", "Time since the aggregator last answered this router",
+                                     ("deployment",)),
+    "kvroute_aggregator_reachable": ("gauge", "1 if this router's snapshot stream is connected", ("deployment",)),
+    "kvroute_replica_frames": ("counter", "KvMetrics frames the replica's collector received, by outcome "
+                               "(accepted, or the refusal reason)", ("worker", "outcome")),
+    "kvroute_replica_ttft_seconds": ("histogram", "Time to first streamed chunk, measured in the replica",
+                                     ("worker",)),
+}
+
+
+def prometheus_names() -> set[str]:
+    """Every series name `METRICS` produces in Prometheus through Ray's metrics agent."""
+    out: set[str] = set()
+    for name, (kind, _, _) in METRICS.items():
+        base = f"ray_{name}"
+        if kind == "counter":
+            out.add(f"{base}_total")
+        elif kind == "histogram":
+            out |= {f"{base}_bucket", f"{base}_sum", f"{base}_count"}
+        else:
+            out.add(base)
+    return out
+
+
+def _make(name: str) -> Any:
+    from ray.util import metrics
+
+    kind, desc, tags = METRICS[name]
+    if kind == "counter":
+        return metrics.Counter(name, description=desc, tag_keys=tags)
+    if kind == "histogram":
+        bounds = DECISION_BOUNDARIES_S if name == "kvroute_router_decision_seconds" else LATENCY_BOUNDARIES_S
+        return metrics.Histogram(name, description=desc, boundaries=bounds, tag_keys=tags)
+    return metrics.Gauge(name, description=desc, tag_keys=tags)
+
+
+class RouterExporter:
+    """The request router's figures: decisions as they happen, the fleet as gauges every `period_s`."""
+
+    def __init__(self, core: "RouterCore", deployment: str, period_s: float = 1.0) -> None:
+        self.core = core
+        self.deployment = deployment
+        self.period_s = period_s
+        self._m = {n: _make(n) for n in METRICS if n.startswith(("kvroute_router", "kvroute_worker", "kvroute_snap",
+                                                                 "kvroute_aggregator"))}
+        self._task: asyncio.Task | None = None
+
+    def on_decision(self, policy: str, reason: str, seconds: float) -> None:
+        tags = {"deployment": self.deployment}
+        self._m["kvroute_router_decisions"].inc(1, tags={**tags, "policy": policy, "reason": reason})
+        self._m["kvroute_router_decision_seconds"].observe(seconds, tags=tags)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                self.export_fleet()
+            except Exception:  # a metrics bug must never touch routing
+                logger.exception("kvroute metrics export failed")
+            await asyncio.sleep(self.period_s)
+
+    def export_fleet(self) -> None:
+        m, dep, core = self._m, self.deployment, self.core
+        now = time.monotonic()
+        for rec in core.follower.workers.values():
+            t = {"deployment": dep, "worker": rec.name}
+            met = rec.metrics or {}
+            m["kvroute_worker_in_flight_requests"].set(core.ledger.in_flight(rec.name), tags=t)
+            m["kvroute_worker_running_requests"].set(met.get("request_active_slots", 0), tags=t)
+            m["kvroute_worker_waiting_requests"].set(met.get("num_requests_waiting", 0), tags=t)
+            m["kvroute_worker_kv_usage_ratio"].set(met.get("gpu_cache_usage_perc", 0.0), tags=t)
+            m["kvroute_worker_metrics_age_seconds"].set(
+                -1.0 if rec.metrics_at is None else now - rec.metrics_at, tags=t)
+            for s in _STATES:
+                m["kvroute_worker_state"].set(1.0 if rec.state == s else 0.0, tags={**t, "state": s})
+        age = core.follower.snapshot_age_s()
+        m["kvroute_snapshot_age_seconds"].set(-1.0 if age is None else age, tags={"deployment": dep})
+        m["kvroute_aggregator_reachable"].set(1.0 if core.follower.connected else 0.0, tags={"deployment": dep})
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+
+class ReplicaExporter:
+    """A replica's figures: its collector's frame counts (as deltas) and TTFT of streamed replies."""
+
+    def __init__(self, worker: str) -> None:
+        self.worker = worker
+        self._frames = _make("kvroute_replica_frames")
+        self._ttft = _make("kvroute_replica_ttft_seconds")
+        self._seen: dict[str, int] = {}
+
+    def observe_ttft(self, seconds: float) -> None:
+        self._ttft.observe(seconds, tags={"worker": self.worker})
+
+    def export_frames(self, book: "MetricsBook") -> None:
+        counts = {"accepted": book.stats.frames_accepted, **{str(k): v for k, v in book.stats.refused.items()}}
+        for outcome, n in counts.items():
+            delta = n - self._seen.get(outcome, 0)
+            if delta > 0:
+                self._frames.inc(delta, tags={"worker": self.worker, "outcome": outcome})
+                self._seen[outcome] = n

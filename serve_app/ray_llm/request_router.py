@@ -1,0 +1,170 @@
+"""kvroute as a Ray Serve `RequestRouter` for deployments whose replicas run SGLang.
+
+Name it in the deployment's `request_router_config`:
+    request_router_class: serve_app.ray_llm.request_router:KvRouteRequestRouter
+    request_router_kwargs: {policy: kv_aware}          # optional; any kvroute policy by name
+
+Each handle (e.g. Ray Serve LLM's `OpenAiIngress`) gets one instance. It follows the aggregator's
+fleet off the request path (`FleetFollower`, as the router replica does), and ranks candidates with
+the same `RouterCore` — the policy over the replicas' KvMetrics, this router's in-flight ledger and
+its prefix index. The replica registered by `server.KvrouteSGLangServer` is found by its Serve
+replica id (`names.replica_worker_name`). Ray then tries the first rank (probing queue lengths,
+skipping full replicas), then the next.
+
+Degrades, never fails: a request without a prompt, a fleet with none of the candidates yet, an
+aggregator silent for `stale_after_s`, or no routable worker → every candidate in one rank, which
+Serve load-balances (power of two choices on queue length). Replicas not yet registered join the
+first rank beside kvroute's pick, so a new replica takes load from the start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from actors.aggregator import get_or_create_aggregator
+from actors.models import Settings
+from serve_app.config import RouterConfig
+from serve_app.follower import FleetFollower
+from serve_app.policies import NoWorkerAvailable
+from serve_app.policies.base import RouteRequest
+from serve_app.ray_llm.names import replica_worker_name
+from serve_app.ray_llm.ranking import request_body, reason_label, split_ranks
+from serve_app.request_facts import InvalidRequestBody
+from serve_app.router import RouterCore
+
+logger = logging.getLogger("kvroute.ray_llm.router")
+
+_FACTS_CAP = 100_000  # facts of requests chosen for but never routed (cancelled) are dropped past this
+
+
+class KvRouteRequestRouter(RequestRouter):
+    """Serve request router ranking replicas with kvroute's `RouterCore` (see the module docstring)."""
+
+    def initialize_state(
+        self,
+        policy: str = "kv_aware",
+        router: dict[str, Any] | None = None,
+        settings: dict[str, Any] | None = None,
+        stale_after_s: float = 5.0,
+        ray_metrics: bool = True,
+    ) -> None:
+        """`request_router_kwargs`: `policy` (any kvroute policy name), `router` (RouterConfig fields,
+        e.g. `{"kv_aware": {"tolerance": 0.2}}`), `settings` (metrics-plane Settings), how long the
+        aggregator may be silent before routing falls back to load balancing, and whether to export
+        kvroute's figures through `ray.util.metrics`. Raises ValueError on a bad value."""
+        self.config = RouterConfig.model_validate({**(router or {}), "policy": policy})
+        self.settings = Settings.model_validate(settings or {})
+        self.stale_after_s = float(stale_after_s)
+        self.router_id = f"serve-router-{uuid.uuid4().hex[:8]}"
+        self.follower = FleetFollower(
+            self._resolve_aggregator,
+            poll_timeout_s=self.settings.snapshot_poll_timeout_s,
+            backoff_s=self.settings.reconnect_backoff_s,
+            backoff_max_s=self.settings.reconnect_backoff_max_s,
+            silence_s=self.settings.follower_silence_s,
+        )
+        self.core = RouterCore(self.config, self.follower, self.router_id)
+        self._facts: dict[str, RouteRequest] = {}  # internal request id → facts with overlap, until routed
+        self._routed: dict[str, str] = {}  # internal request id → worker, until completed
+        self._deployment = self._deployment_id.name if self._deployment_id else ""
+        self.exporter = None
+        if ray_metrics:
+            from serve_app.ray_llm.ray_metrics import RouterExporter
+
+            self.exporter = RouterExporter(self.core, self._deployment)
+        self._started = False
+        self.decisions: dict[str, int] = {}  # reason → count (tests and the bench read these)
+
+    async def _resolve_aggregator(self) -> Any:
+        return await asyncio.to_thread(get_or_create_aggregator, self.settings)
+
+    def _ensure_started(self) -> None:
+        """Start following the fleet on the router's own loop (not running yet at construction)."""
+        if not self._started:
+            self._started = True
+            self.follower.start()
+            if self.exporter is not None:
+                self.exporter.start()
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        try:
+            self._ensure_started()
+        except RuntimeError:  # no running loop here: the first choose_replicas starts it
+            pass
+
+    # --- the decision ---------------------------------------------------------------------------
+
+    def _degraded(self) -> bool:
+        age = self.follower.snapshot_age_s()
+        return age is None or (not self.follower.connected and age > self.stale_after_s)
+
+    def _count(self, reason: str, policy: str, t0: float) -> None:
+        self.decisions[reason] = self.decisions.get(reason, 0) + 1
+        if self.exporter is not None:
+            self.exporter.on_decision(policy, reason, time.perf_counter() - t0)
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        t0 = time.perf_counter()
+        self._ensure_started()
+        policy = self.config.policy
+        if pending_request is None or not candidate_replicas:
+            return [candidate_replicas]
+        rid = pending_request.metadata.internal_request_id
+        facts = self._facts.get(rid)
+        if facts is None:
+            body = request_body(pending_request.args)
+            if body is None:
+                self._count("no_prompt", policy, t0)
+                return [candidate_replicas]
+            try:
+                facts = self.core.facts(body)
+            except (InvalidRequestBody, RecursionError) as exc:  # the replica will answer it; route anywhere
+                logger.debug("request %s: no routing facts (%s)", rid, exc)
+                self._count("no_prompt", policy, t0)
+                return [candidate_replicas]
+        if self._degraded():
+            self._count("aggregator_stale", policy, t0)
+            return [candidate_replicas]
+        by_name = {replica_worker_name(r.replica_id): r for r in candidate_replicas}
+        known = self.follower.workers
+        if not any(n in known for n in by_name):
+            self._count("no_metrics", policy, t0)
+            return [candidate_replicas]
+        exclude = {n for n in known if n not in by_name}
+        try:
+            decision, facts = self.core.decide(facts, policy, exclude=exclude)
+        except NoWorkerAvailable:
+            self._count("no_worker", policy, t0)
+            return [candidate_replicas]
+        if len(self._facts) >= _FACTS_CAP:
+            self._facts.clear()
+        self._facts[rid] = facts
+        self._count(reason_label(facts, decision.worker), policy, t0)
+        return split_ranks(by_name, decision.worker, set(known))
+
+    # --- the request's moments ------------------------------------------------------------------
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        rid = pending_request.metadata.internal_request_id
+        facts = self._facts.pop(rid, None)
+        if facts is None:  # load-balanced without kvroute's facts: nothing to count
+            return
+        worker = replica_worker_name(replica_id)
+        self.core.on_routed(rid, facts, worker)
+        self._routed[rid] = worker
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        # Ray calls this for every dispatched request (success, error or cancel), a dead replica's too
+        if self._routed.pop(internal_request_id, None) is not None:
+            self.core.ledger.on_finished(internal_request_id)
