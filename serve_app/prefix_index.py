@@ -200,7 +200,8 @@ class PrefixIndex:
                     else:
                         hot[h] = now
                         fresh.pop(h, None)
-                    del e[worker]  # re-inserted last: holders stay in order of last use
+                    if len(e) > 1:
+                        del e[worker]  # re-inserted last: holders stay in order of last use
                 else:
                     if track_fresh:
                         fresh[h] = now
