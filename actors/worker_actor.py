@@ -109,6 +109,7 @@ class WorkerActor:
         self._unpushed = False  # metrics ingested since the last report that was queued
         self._push_timer: asyncio.TimerHandle | None = None
         self._watch: SocketWatch | None = None
+        self._raw: zmq.Socket | None = None
         self._ctx = zmq.asyncio.Context()
         # reports go to the aggregator over ZeroMQ (Ray only finds it): no Ray call per push
         self._link = AggregatorLink(self._resolve_aggregator, ctx=self._ctx, hwm=self.settings.max_pending_pushes,
@@ -313,15 +314,16 @@ class WorkerActor:
     async def _recv_loop(self) -> None:
         """Receive SGLang's frames: the event loop calls `_drain` when the PULL is readable (one
         callback per arrival, no future per frame); this task only holds the watch until cancelled."""
-        raw = zmq.Socket.shadow(self._sock.underlying)  # sync view of the same socket for cheap drains
+        raw = self._raw = zmq.Socket.shadow(self._sock.underlying)  # sync view of the socket: cheap drains
         watch = self._watch = SocketWatch(raw, lambda: self._drain(raw))
         try:
             await asyncio.Event().wait()
         finally:
             watch.close()
 
-    def _drain(self, raw: zmq.Socket) -> bool:
-        """Ingest what is waiting (a bounded batch); True if more may wait."""
+    def _drain(self, raw: zmq.Socket, notify: bool = True) -> bool:
+        """Ingest what is waiting (a bounded batch); True if more may wait. `notify`: new metrics
+        go to `_metrics_arrived` (not when the coalescing window's end drains them)."""
         fresh = False
         try:
             for _ in range(_DRAIN_BATCH):
@@ -342,7 +344,7 @@ class WorkerActor:
             logger.exception("worker %s: receive error", self.name)
             return True
         finally:
-            if fresh:
+            if fresh and notify:
                 self._metrics_arrived()
 
     # --- KV events (exact prefix mode) ---------------------------------------------------------
@@ -464,26 +466,34 @@ class WorkerActor:
 
     def _metrics_arrived(self) -> None:
         """New SGLang metrics, throttled on both edges: the first change after `coalesce_s` without a
-        push goes at once, from the receive callback itself (no hand-off to the push loop); after
-        that the receive watch sleeps until the window ends — SGLang's frames wait in the socket, its
-        actor is not woken per frame — and one push then carries the newest state."""
+        push goes at once, from the receive callback itself (no hand-off to the push loop). After
+        that a coalescing window starts: the receive watch sleeps (SGLang's frames wait in the
+        socket; the actor is not woken per frame) and at its end one push carries the newest state."""
         if self._push_timer is not None:
             return
-        wait = self.settings.coalesce_s - (time.monotonic() - self._last_push)
-        if wait <= 0:
-            if self._push_now():
-                return
-            wait = self.settings.coalesce_s  # not queued (aggregator away or slow): the push loop retries
+        if time.monotonic() - self._last_push >= self.settings.coalesce_s and self._push_now():
+            return
+        self._start_window()
+
+    def _start_window(self) -> None:
         if self._watch is not None:
             self._watch.pause()
+        wait = max(self.settings.coalesce_s - (time.monotonic() - self._last_push), self.settings.push_interval_s)
         self._push_timer = asyncio.get_running_loop().call_later(wait, self._window_ends)
 
     def _window_ends(self) -> None:
+        """Drain what waited and push it; while the engine keeps sending, stay in windows (one
+        wake-up and one push per `coalesce_s`); once a window stays empty, wake on arrival again."""
         self._push_timer = None
-        if self._watch is not None:
-            self._watch.resume_now()  # drains what waited; new metrics come back through _metrics_arrived
-        if self._unpushed and self._push_timer is None:
-            self._metrics_arrived()
+        if self._stopping:
+            return
+        assert self._raw is not None  # a window starts only from the receive path
+        self._drain(self._raw, notify=False)
+        if self._unpushed:
+            self._push_now()  # if it is not queued, the next window (or the push loop) sends the newest
+            self._start_window()
+        elif self._watch is not None:
+            self._watch.resume_now()
 
     def _push_now(self) -> bool:
         """Push the newest report if the link is up (else the push loop reconnects and sends it)."""
