@@ -54,14 +54,12 @@ class ReplicaCollector:
         page_size: int = 1,
         url: str = "",
         health: Callable[[], tuple[bool, str]] = lambda: (True, "ok"),
-        extra: dict[str, Any] | None = None,
     ) -> None:
         self.name = name
         self.endpoint = endpoint
         self.settings = settings or Settings()
         self.page_size = page_size
         self.url = url
-        self.extra = dict(extra or {})
         self.incarnation = uuid.uuid4().hex[:12]
         self._health = health
         self.book = MetricsBook(self.settings.max_frame_bytes)
@@ -88,7 +86,7 @@ class ReplicaCollector:
         healthy, detail = self._health()
         ranks = [RankMetrics(**d) for d in self.book.ranks_report(self.page_size).values()]
         return WorkerReport(name=self.name, url=self.url, page_size=self.page_size, incarnation=self.incarnation,
-                            healthy=healthy, health_detail=detail, ranks=ranks, extra=self.extra)
+                            healthy=healthy, health_detail=detail, ranks=ranks)
 
     async def _recv_loop(self) -> None:
         sock = self._sock

@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 WORKER_PREFIX = "serve:"
+# a replica in front of a worker with another name says which in Serve's routing stats (`record_routing_stats`)
+ROUTING_STATS_KEY = "kvroute_worker"
 
 
 def worker_name(app: str, deployment: str, unique_id: str) -> str:

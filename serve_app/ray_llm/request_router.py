@@ -33,7 +33,7 @@ from serve_app.config import RouterConfig
 from serve_app.follower import FleetFollower
 from serve_app.policies import NoWorkerAvailable
 from serve_app.policies.base import RouteRequest
-from serve_app.ray_llm.names import replica_worker_name
+from serve_app.ray_llm.names import ROUTING_STATS_KEY, replica_worker_name
 from serve_app.ray_llm.ranking import request_body, reason_label, split_ranks
 from serve_app.request_facts import InvalidRequestBody
 from serve_app.router import RouterCore
@@ -70,7 +70,8 @@ class KvRouteRequestRouter(RequestRouter):
             silence_s=self.settings.follower_silence_s,
         )
         self.core = RouterCore(self.config, self.follower, self.router_id)
-        self._facts: dict[str, RouteRequest] = {}  # internal request id → facts with overlap, until routed
+        # internal request id → (facts with overlap, worker charged in the ledger), until routed
+        self._charged: dict[str, tuple[RouteRequest, str]] = {}
         self._routed: dict[str, str] = {}  # internal request id → worker, until completed
         self._deployment = self._deployment_id.name if self._deployment_id else ""
         self.exporter = None
@@ -78,6 +79,7 @@ class KvRouteRequestRouter(RequestRouter):
             from serve_app.ray_llm.ray_metrics import RouterExporter
 
             self.exporter = RouterExporter(self.core, self._deployment)
+        self._names: dict[Any, str] = {}  # replica id → worker name, as last seen among the candidates
         self._started = False
         self.decisions: dict[str, int] = {}  # reason → count (tests and the bench read these)
 
@@ -101,6 +103,16 @@ class KvRouteRequestRouter(RequestRouter):
 
     # --- the decision ---------------------------------------------------------------------------
 
+    def _name_of(self, replica: RunningReplica) -> str:
+        """The replica's kvroute worker: the name it reports in its routing stats (a replica in front
+        of a worker kvroute already knows), else the one `KvrouteSGLangServer` registers it under."""
+        stats = replica.routing_stats or {}
+        name = stats.get(ROUTING_STATS_KEY)
+        if not isinstance(name, str) or not name:
+            name = replica_worker_name(replica.replica_id)
+        self._names[replica.replica_id] = name
+        return name
+
     def _degraded(self) -> bool:
         age = self.follower.snapshot_age_s()
         return age is None or (not self.follower.connected and age > self.stale_after_s)
@@ -121,7 +133,8 @@ class KvRouteRequestRouter(RequestRouter):
         if pending_request is None or not candidate_replicas:
             return [candidate_replicas]
         rid = pending_request.metadata.internal_request_id
-        facts = self._facts.get(rid)
+        charged = self._charged.get(rid)
+        facts = charged[0] if charged is not None else None
         if facts is None:
             body = request_body(pending_request.args)
             if body is None:
@@ -136,20 +149,26 @@ class KvRouteRequestRouter(RequestRouter):
         if self._degraded():
             self._count("aggregator_stale", policy, t0)
             return [candidate_replicas]
-        by_name = {replica_worker_name(r.replica_id): r for r in candidate_replicas}
+        by_name = {self._name_of(r): r for r in candidate_replicas}
         known = self.follower.workers
         if not any(n in known for n in by_name):
             self._count("no_metrics", policy, t0)
             return [candidate_replicas]
         exclude = {n for n in known if n not in by_name}
+        if rid in self._charged:  # chosen before (Serve retries after a rejection or backoff): undo
+            self.core.ledger.on_failed(rid)
+            del self._charged[rid]
         try:
             decision, facts = self.core.decide(facts, policy, exclude=exclude)
         except NoWorkerAvailable:
             self._count("no_worker", policy, t0)
             return [candidate_replicas]
-        if len(self._facts) >= _FACTS_CAP:
-            self._facts.clear()
-        self._facts[rid] = facts
+        if len(self._charged) >= _FACTS_CAP:
+            self._charged.clear()
+        # charged now, not when Serve reports the request routed (after the replica accepted it):
+        # in a burst every routing task would otherwise decide on the same empty ledger
+        self.core.on_routed(rid, facts, decision.worker)
+        self._charged[rid] = (facts, decision.worker)
         self._count(reason_label(facts, decision.worker), policy, t0)
         return split_ranks(by_name, decision.worker, set(known))
 
@@ -157,11 +176,16 @@ class KvRouteRequestRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         rid = pending_request.metadata.internal_request_id
-        facts = self._facts.pop(rid, None)
-        if facts is None:  # load-balanced without kvroute's facts: nothing to count
+        charged = self._charged.pop(rid, None)
+        if charged is None:  # load-balanced without kvroute's facts: nothing to count
             return
-        worker = replica_worker_name(replica_id)
-        self.core.on_routed(rid, facts, worker)
+        facts, decided = charged
+        worker = self._names.get(replica_id) or replica_worker_name(replica_id)
+        if worker != decided:  # Serve took another rank (the pick was full): move the charge
+            self.core.ledger.on_failed(rid)
+            self.core.on_routed(rid, facts, worker)
+        if len(self._routed) >= _FACTS_CAP:
+            self._routed.clear()
         self._routed[rid] = worker
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:

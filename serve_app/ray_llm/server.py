@@ -30,7 +30,7 @@ from ray.llm._internal.serve.engines.sglang.sglang_engine import SGLangServer
 
 from actors.models import Settings
 from serve_app.ray_llm.collector import ReplicaCollector, default_metrics_endpoint
-from serve_app.ray_llm.names import worker_name
+from serve_app.ray_llm.names import ROUTING_STATS_KEY, worker_name
 from serve_app.ray_llm.ray_metrics import ReplicaExporter
 
 logger = logging.getLogger("kvroute.ray_llm.server")
@@ -95,7 +95,7 @@ class KvrouteSGLangServer(SGLangServer):
         # bind first: SGLang's scheduler connects its PUSH to this address as it starts
         self._kvroute_collector = ReplicaCollector(
             self.kvroute_worker, endpoint, settings=Settings.model_validate(opts.settings), page_size=page_size,
-            health=self._kvroute_health, extra={"serve": {"app": app, "deployment": deployment, "replica": unique_id}})
+            health=self._kvroute_health, url=f"serve://{app}/{deployment}/{unique_id}")  # no HTTP: names the replica
         try:
             self._start_engine(llm_config, endpoint)
         except BaseException:
@@ -138,6 +138,10 @@ class KvrouteSGLangServer(SGLangServer):
 
     def _kvroute_health(self) -> tuple[bool, str]:
         return True, "ok"
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Serve's routing stats: the worker name this replica reports under (the router also derives it)."""
+        return {ROUTING_STATS_KEY: self.kvroute_worker}
 
     async def kvroute_stats(self) -> dict[str, Any]:
         """The collector's counters (frames received/refused, pushes, latest values)."""
