@@ -176,6 +176,27 @@ class SimEngine:
             await up.close()
 
 
+@serve.deployment(name="SimEngine", max_ongoing_requests=int(1e9), ray_actor_options={"num_cpus": 0})
+class NamedSimEngine(SimEngine.func_or_class):
+    """SimEngine that names its worker in Serve's routing stats, so kvroute's RequestRouter finds it."""
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        from serve_app.ray_llm.names import ROUTING_STATS_KEY
+
+        return {ROUTING_STATS_KEY: self.name}
+
+
+# Ray Serve's shape of `ray-prefix` (same ingress, same pass-through replicas) with other request routers
+KVROUTE_REQUEST_ROUTER = "serve_app.ray_llm.request_router:KvRouteRequestRouter"
+SERVE_ROUTER_TARGETS = {
+    "ray-kvroute": (KVROUTE_REQUEST_ROUTER, "Ray Serve + kvroute RequestRouter",
+                    "kvroute's Serve RequestRouter (kv_aware, the aggregator's KvMetrics, its own ledger and prefix "
+                    "index) ranking the same pass-through replicas as ray-prefix, behind the same ingress"),
+    "ray-pow2": (None, "Ray Serve power of two (default router)",
+                 "Serve's default request router over the same pass-through replicas as ray-prefix"),
+}
+
+
 prefix_app = FastAPI()
 
 
@@ -331,6 +352,16 @@ class BenchFleet:
             serve.run(PrefixIngress.bind(engine), name="ray-prefix", route_prefix="/ray-prefix", blocking=False)
             targets.append(Target("ray-prefix", (base + "/ray-prefix",), label="Ray Serve PrefixCacheAffinity",
                                   notes=PREFIX_NOTES))
+        for name, (router_cls, label, notes) in SERVE_ROUTER_TARGETS.items():
+            if want is None or name not in want:  # only when named (--targets): the suites' runs stay as they are
+                continue
+            claim = os.path.join(self.tmpdir, f"claims-{name}")
+            os.makedirs(claim, exist_ok=True)
+            rrc = {"request_routing_stats_period_s": 1.0, **({"request_router_class": router_cls} if router_cls else {})}
+            engine = NamedSimEngine.options(num_replicas=len(urls), request_router_config=RequestRouterConfig(**rrc)
+                                            ).bind(self.worker_urls, claim, self._batching_s())
+            serve.run(PrefixIngress.bind(engine), name=name, route_prefix=f"/{name}", blocking=False)
+            targets.append(Target(name, (base + f"/{name}",), label=label, notes=notes))
         version = _sglang_router_version()
         for policy in SGLANG_POLICIES:
             for nodelay in (False, True):
