@@ -147,7 +147,7 @@ def test_kill_a_worker_actor_ray_restarts_it_and_the_worker_is_back(env):
         w = wait_for(lambda: (x := _workers(c)["f0"])["state"] != "down" and x["managed"]["process"] == "running"
                      and x["managed"]["pid"] != pid_before and x, 60, what="worker f0 back with a fresh engine")
         time.sleep(0.5)
-    assert back["name"] == "f0"
+    assert back.name == "f0"
     assert w["managed"]["pid"] != pid_before  # a fresh engine under the restarted actor
     wait_for(lambda: not _alive(pid_before), 10, what="the dead actor's engine gone (no orphan)")
     plain = load.plain()
