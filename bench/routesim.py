@@ -218,7 +218,7 @@ def run(workload: str, rate: float, duration_s: float, policy: str, *, seed: int
     def update(name: str, metrics: dict[str, Any] | None, produced: float | None, state: str) -> None:
         follower.workers[name] = WorkerRecord(name=name, url=name, page_size=cfg.page_size, state=state,
                                               healthy=True, metrics=metrics, metrics_at=produced, heartbeat_at=now)
-        core._on_fleet_update([name])
+        core.on_fleet_update([name])
 
     for n in names:
         update(n, None, None, "idle")
