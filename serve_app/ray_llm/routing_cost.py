@@ -5,7 +5,8 @@ LLM's `PrefixCacheAffinityRouter`, the same calls Serve makes (`choose_replicas`
     python -m serve_app.ray_llm.routing_cost [--replicas 4] [--requests 400] [--prefixes 8]
 
 Both routers get the same replicas (placeholder actors under Serve replica names: neither router
-calls them here — the queue lengths come from Serve's cache, filled as a handle fills it) and the
+calls them on the request path here — queue lengths come from Serve's cache, filled as a handle fills
+it; a background probe gets 0) and the
 same chat prompts (`--prefixes` shared system prompts, distinct questions). kvroute's router follows
 a real aggregator to which the replicas report KvMetrics through the metrics plane; the prefix
 router calls its prefix-tree actor with a blocking `ray.get` per request, as shipped. Prints the
@@ -64,6 +65,9 @@ async def _run(ns: argparse.Namespace) -> dict[str, dict[str, float]]:
         def ping(self) -> None:
             return None
 
+        def get_num_ongoing_requests(self, *args: Any, **kwargs: Any) -> int:  # Serve's queue-length probe
+            return 0
+
     dep = DeploymentID(name="SGLangServer:m", app_name="cost")
     infos, actors = [], []
     for i in range(ns.replicas):
@@ -98,10 +102,8 @@ async def _run(ns: argparse.Namespace) -> dict[str, dict[str, float]]:
         times: list[float] = []
         picks: dict[str, int] = {}
         for i in range(ns.requests + ns.warmup):
-            msgs = [SimpleNamespace(model_dump=(lambda s=systems[i % ns.prefixes]: {"role": "system", "content": s}),
-                                    role="system", content=systems[i % ns.prefixes]),
-                    SimpleNamespace(model_dump=(lambda i=i: {"role": "user", "content": f"question {i}"}),
-                                    role="user", content=f"question {i}")]
+            msgs = [{"role": "system", "content": systems[i % ns.prefixes]},
+                    {"role": "user", "content": f"question {i}"}]
             body = SimpleNamespace(messages=msgs, prompt=None, max_tokens=16)
             meta = RequestMetadata(request_id=f"q{i}", internal_request_id=f"q{i}-{uuid.uuid4().hex[:6]}",
                                    call_method="chat")

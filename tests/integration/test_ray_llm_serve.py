@@ -79,9 +79,16 @@ def _chat(base: str, content: str, max_tokens: int = 8, timeout: float = 60) -> 
 
 
 def test_replicas_register_under_their_serve_replica_ids(llm_app):
-    names = _fleet_names(f"serve:{APP}/")
-    assert len(names) >= REPLICAS
-    assert all(n.startswith(f"serve:{APP}/SGLangServer:") or n.startswith(f"serve:{APP}/") for n in names)
+    import ray
+
+    names = [n for n, s in _fleet_names(f"serve:{APP}/").items() if s != "down"]
+    assert len(names) == REPLICAS
+    # serve:<app>/<deployment>/<replica id>, each the id of a live Serve replica actor
+    actors = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == "serve"}
+    for n in names:
+        _, deployment, unique_id = n.split("/")
+        assert deployment == f"SimSGLangServer:{MODEL}"
+        assert f"SERVE_REPLICA::{APP}#{deployment}#{unique_id}" in actors, (n, sorted(actors))
 
 
 def test_requests_flow_through_openai_ingress_to_a_replica(llm_app):
