@@ -116,8 +116,6 @@ class RouterCore:
             self.fleet.update(self.ledger.apply(base))
             self.ledger.set_remote(name, rec.in_flight_by_replica)
 
-    _on_fleet_update = on_fleet_update  # the old private name, until bench/routesim.py uses the public one
-
     def refresh_remote(self) -> None:
         """Re-date the other replicas' counts we still see in the snapshot (the aggregator expires
         dead replicas; the ledger would otherwise drop live ones that simply did not change)."""
