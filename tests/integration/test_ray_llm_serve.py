@@ -176,3 +176,28 @@ def test_a_restarted_replica_is_picked_up(llm_app):
     served = asyncio.run(burst())
     assert victim not in served
     assert new & set(served), (new, served)
+
+
+def test_kvroute_metrics_reach_rays_prometheus_under_the_dashboards_names(llm_app):
+    """Every series `deploy/grafana/kvroute-ray.json` may query is in the Ray node's own Prometheus
+    export (ray.util.metrics; no new scrape target)."""
+    import ray
+
+    from serve_app.ray_llm.ray_metrics import prometheus_names
+
+    port = ray._private.worker._global_node.metrics_export_port
+    for i in range(4):  # streamed: the replicas' TTFT histogram
+        with httpx.stream("POST", f"{llm_app}/v1/chat/completions", timeout=60, json={
+                "model": MODEL, "stream": True, "max_tokens": 4,
+                "messages": [{"role": "user", "content": f"metrics {i} " * 40}]}) as r:
+            assert r.status_code == 200
+            r.read()
+    want = prometheus_names()
+    seen: set[str] = set()
+
+    def exported() -> bool:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        seen.update(line.split("{")[0].split(" ")[0] for line in text.splitlines() if line.startswith("ray_kvroute_"))
+        return want <= seen
+
+    wait_for(exported, 90, interval_s=2.0, what=f"kvroute's metrics in Ray's Prometheus (missing: {want - seen})")
