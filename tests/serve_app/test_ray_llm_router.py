@@ -1,0 +1,144 @@
+"""KvRouteRequestRouter's decisions without a Ray cluster: the fleet comes from the aggregator's own
+registry logic (FleetRegistry → snapshot → FleetFollower.apply), candidates and requests are shaped
+like Serve's (`replica_id`, `routing_stats`; `PendingRequest.args`, `metadata.internal_request_id`)."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from actors.protocol import RankMetrics, WorkerReport
+from actors.registry import FleetRegistry
+from serve_app.ray_llm.names import ROUTING_STATS_KEY, replica_worker_name
+
+APP, DEP = "llm", "SGLangServer:m"
+
+
+def _replica(uid: str, stats: dict | None = None) -> SimpleNamespace:
+    from ray.serve._private.common import DeploymentID, ReplicaID
+
+    rid = ReplicaID(unique_id=uid, deployment_id=DeploymentID(name=DEP, app_name=APP))
+    return SimpleNamespace(replica_id=rid, routing_stats=stats or {})
+
+
+def _pending(rid: str, text: str) -> SimpleNamespace:
+    msg = {"role": "user", "content": text}
+    return SimpleNamespace(args=[SimpleNamespace(messages=[msg], prompt=None, max_tokens=8), None],
+                           metadata=SimpleNamespace(internal_request_id=rid))
+
+
+def _ranks(running: int = 0) -> list[RankMetrics]:
+    return [RankMetrics(request_active_slots=running, request_total_slots=256, kv_active_blocks=10,
+                        kv_total_blocks=10_000, num_requests_waiting=0, gpu_cache_usage_perc=0.001,
+                        gpu_prefix_cache_hit_rate=0.0, data_parallel_rank=0)]
+
+
+@pytest.fixture
+def router():
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from serve_app.ray_llm.request_router import KvRouteRequestRouter
+
+    r = KvRouteRequestRouter(deployment_id=DeploymentID(name=DEP, app_name=APP),
+                             handle_source=DeploymentHandleSource.UNKNOWN)
+    r.initialize_state(policy="kv_aware", ray_metrics=False, router={"seed": 1})
+    r._started = True  # the follower's stream needs Ray; these tests feed it snapshots directly
+    return r
+
+
+def _fleet(router, names: list[str]) -> None:
+    reg = FleetRegistry()
+    for n in names:
+        reg.report(WorkerReport(name=n, url="", page_size=16, incarnation="i", healthy=True, ranks=_ranks()))
+    f = router.follower
+    f.on_update(f.apply(reg.snapshot()))
+    f.connected, f.last_ok_at = True, time.monotonic()
+
+
+async def test_a_call_without_a_prompt_is_left_to_serve(router):
+    cands = [_replica("a"), _replica("b")]
+    req = SimpleNamespace(args=[SimpleNamespace(model="m")], metadata=SimpleNamespace(internal_request_id="x"))
+    assert await router.choose_replicas(cands, req) == [cands]
+    assert router.decisions == {"no_prompt": 1}
+
+
+async def test_no_snapshot_yet_means_load_balancing(router):
+    cands = [_replica("a"), _replica("b")]
+    assert await router.choose_replicas(cands, _pending("r1", "hello")) == [cands]
+    assert router.decisions == {"aggregator_stale": 1}
+
+
+async def test_an_aggregator_silent_past_stale_after_s_means_load_balancing(router):
+    cands = [_replica("a"), _replica("b")]
+    _fleet(router, [replica_worker_name(c.replica_id) for c in cands])
+    router.follower.connected = False
+    router.follower.last_ok_at = time.monotonic() - router.stale_after_s - 1
+    assert await router.choose_replicas(cands, _pending("r1", "hello")) == [cands]
+    assert router.decisions == {"aggregator_stale": 1}
+
+
+async def test_candidates_unknown_to_the_fleet_are_load_balanced(router):
+    _fleet(router, ["serve:other/app/z"])
+    cands = [_replica("a"), _replica("b")]
+    assert await router.choose_replicas(cands, _pending("r1", "hello")) == [cands]
+    assert router.decisions == {"no_metrics": 1}
+
+
+async def test_the_pick_comes_first_with_unregistered_replicas_and_is_charged_at_once(router):
+    a, b, new = _replica("a"), _replica("b"), _replica("new")
+    _fleet(router, [replica_worker_name(a.replica_id), replica_worker_name(b.replica_id)])
+    ranks = await router.choose_replicas([a, b, new], _pending("r1", "hello " * 50))
+    assert len(ranks) == 2 and ranks[0][1] is new and len(ranks[1]) == 1
+    pick, other = ranks[0][0], ranks[1][0]
+    assert {pick.replica_id.unique_id, other.replica_id.unique_id} == {"a", "b"}
+    ledger = router.core.ledger
+    assert ledger.in_flight(replica_worker_name(pick.replica_id)) == 1  # before Serve reports it routed
+
+
+async def test_serve_taking_another_rank_moves_the_charge_and_completion_releases_it(router):
+    a, b = _replica("a"), _replica("b")
+    _fleet(router, [replica_worker_name(a.replica_id), replica_worker_name(b.replica_id)])
+    req = _pending("r1", "hello " * 50)
+    ranks = await router.choose_replicas([a, b], req)
+    pick, other = ranks[0][0], ranks[1][0]
+    router.on_request_routed(req, other.replica_id, None)
+    ledger = router.core.ledger
+    assert ledger.in_flight(replica_worker_name(pick.replica_id)) == 0
+    assert ledger.in_flight(replica_worker_name(other.replica_id)) == 1
+    router.on_request_completed(other.replica_id, "r1")
+    assert ledger.in_flight(replica_worker_name(other.replica_id)) == 0
+
+
+async def test_a_retried_choice_does_not_charge_twice(router):
+    a, b = _replica("a"), _replica("b")
+    _fleet(router, [replica_worker_name(a.replica_id), replica_worker_name(b.replica_id)])
+    req = _pending("r1", "hello " * 50)
+    await router.choose_replicas([a, b], req)
+    await router.choose_replicas([a, b], req)  # Serve backs off and asks again for the same request
+    ledger = router.core.ledger
+    assert sum(ledger.in_flight(replica_worker_name(r.replica_id)) for r in (a, b)) == 1
+
+
+async def test_shared_prefix_requests_keep_to_one_replica(router):
+    cands = [_replica(u) for u in "abcd"]
+    _fleet(router, [replica_worker_name(c.replica_id) for c in cands])
+    shared = " ".join(f"system rule {i}" for i in range(400))
+    picks = []
+    for i in range(6):
+        req = _pending(f"r{i}", f"{shared} question {i}")
+        ranks = await router.choose_replicas(cands, req)
+        router.on_request_routed(req, ranks[0][0].replica_id, None)
+        picks.append(ranks[0][0].replica_id.unique_id)
+    assert len(set(picks)) == 1, picks
+    assert router.decisions.get("prefix", 0) == 5
+
+
+async def test_a_replica_naming_its_worker_in_routing_stats_is_found_by_that_name(router):
+    named = _replica("x", {ROUTING_STATS_KEY: "sim-0"})
+    _fleet(router, ["sim-0"])
+    ranks = await router.choose_replicas([named], _pending("r1", "hello"))
+    assert ranks == [[named]]
+    assert router.decisions == {"load": 1}
+    assert router.core.ledger.in_flight("sim-0") == 1
