@@ -255,15 +255,6 @@ class RouterConfig(BaseModel):
         return FactsConfig(block_tokens=self.block_size, chars_per_token=self.request_facts.chars_per_token,
                            max_blocks=self.request_facts.max_blocks)
 
-    # Read-only spellings of the keys that moved into `breaker` (serve_app.app still reads them).
-    @property
-    def breaker_failures(self) -> int:
-        return self.breaker.failures_to_open
-
-    @property
-    def breaker_open_s(self) -> float:
-        return self.breaker.open_s
-
 
 class KvrouteConfig(FleetSpec):
     """The whole tree: what a fleet file given to `kvroute serve --fleet` holds."""
