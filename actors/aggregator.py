@@ -35,14 +35,13 @@ from actors.protocol import (
     MAX_INGEST_FRAME_BYTES, AggregatorStats, Endpoints, InFlightShare, ProtocolError, decode_ingest,
     encode_delta,
 )
-from actors.registry import FleetRegistry
+from actors.registry import FleetRegistry, publish_wait_s
 
 logger = logging.getLogger("kvroute.aggregator")
 
 AGGREGATOR_NAME = "kvroute-aggregator"
 _PORTS_KEY = b"kvroute-aggregator-ports"  # Ray internal KV: where the last incarnation listened
 _DRAIN_BATCH = 4096
-_BUSY_FRAMES = 8  # frames per publish_interval_s from which deltas go every publish_interval_s
 
 
 def _node_ip() -> str:
@@ -191,10 +190,7 @@ class Aggregator:
                 drained = self._drain(raw, reg, token)
                 busy = self._pending  # these frames changed something (not heartbeats alone)
                 now = time.monotonic()
-                # a fleet that sends fewer than _BUSY_FRAMES per publish_interval_s is coalesced over
-                # coalesce_s instead: a wake-up (here and in every follower) per few reports is most of
-                # what a small fleet's plane costs, a delta of 100s of workers is worth one every window
-                many = drained >= _BUSY_FRAMES * max(now - last_drain, 1e-3) / s.publish_interval_s
+                wait = publish_wait_s(s, drained, now - last_drain, busy or self._pending)
                 last_drain = now
                 if now - last_tick >= s.state_tick_s:
                     self._pending |= reg.tick()
@@ -205,13 +201,8 @@ class Aggregator:
                 elif now - last_pub >= s.heartbeat_s:
                     self._publish(reg.keepalive())
                     last_pub = now
-                if drained or self._pending:
-                    # heartbeats that changed nothing: drain every 5 windows (an idle fleet of
-                    # 1,000 is 2,000 frames/s; the first change after a quiet spell waits ≤ 50 ms)
-                    if busy or self._pending:
-                        await asyncio.sleep(s.publish_interval_s if many else s.coalesce_s)
-                    else:
-                        await asyncio.sleep(s.publish_interval_s * 5)
+                if drained or self._pending:  # frames gather in the socket meanwhile
+                    await asyncio.sleep(wait)
                 else:  # quiet: sleep until a frame arrives or the next tick is due
                     await sock.poll(timeout=1000 * s.state_tick_s, flags=zmq.POLLIN)
             except asyncio.CancelledError:

@@ -37,6 +37,22 @@ class _Worker:
     metrics_at: float | None = None  # newest rank's receive time (registry clock)
 
 
+BUSY_FRAMES = 8  # frames per publish_interval_s from which deltas go every publish_interval_s
+
+
+def publish_wait_s(settings: Settings, drained: int, elapsed_s: float, changed: bool) -> float:
+    """How long the aggregator sleeps after a wake-up that drained `drained` frames over the last
+    `elapsed_s`: frames gather in the socket meanwhile. A fleet that changed something and sends
+    at least `BUSY_FRAMES` frames per `publish_interval_s` is published every `publish_interval_s`
+    (a delta of 100s of workers is worth a wake-up per window); a smaller one every `coalesce_s`
+    (a wake-up here and in every follower per few reports is most of what a small fleet's plane
+    costs); heartbeats that changed nothing are drained every 5 windows."""
+    if not changed:
+        return settings.publish_interval_s * 5
+    many = drained >= BUSY_FRAMES * max(elapsed_s, 1e-3) / settings.publish_interval_s
+    return settings.publish_interval_s if many else settings.coalesce_s
+
+
 class FleetRegistry:
     """Workers reported by their actors. Methods return True when they changed something."""
 

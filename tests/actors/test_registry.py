@@ -208,3 +208,19 @@ def test_tick_turns_a_live_worker_idle_exactly_after_idle_after_s():
     clock.t += 0.02
     assert reg.tick()
     assert workers(reg)[0].state == "idle"
+
+
+def test_the_aggregator_publishes_a_large_fleet_every_window_and_coalesces_a_small_one():
+    from actors.registry import publish_wait_s
+
+    s = Settings(publish_interval_s=0.01, coalesce_s=0.05)
+    # 1,000 workers × 10 Hz: ~100 frames per 10 ms window → every window (freshness kept)
+    assert publish_wait_s(s, drained=100, elapsed_s=0.01, changed=True) == 0.01
+    # 4 busy workers: ~1 frame per 10 ms, or ~5 per 50 ms → one delta per coalesce_s
+    assert publish_wait_s(s, drained=1, elapsed_s=0.01, changed=True) == 0.05
+    assert publish_wait_s(s, drained=5, elapsed_s=0.05, changed=True) == 0.05
+    # the rule is a rate, not a count: 10 frames gathered over 50 ms is still a small fleet
+    assert publish_wait_s(s, drained=10, elapsed_s=0.05, changed=True) == 0.05
+    assert publish_wait_s(s, drained=40, elapsed_s=0.05, changed=True) == 0.01
+    # heartbeats that changed nothing: drained every 5 windows whatever their number
+    assert publish_wait_s(s, drained=2000, elapsed_s=0.05, changed=False) == 0.05
