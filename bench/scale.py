@@ -43,6 +43,9 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 import psutil  # noqa: E402
 import ray  # noqa: E402
 
+
+from bench.scale_messages import EmulatorCounters, FollowerTake  # noqa: E402  (importable: Ray pickles them by name)
+
 VALUES = dict(request_active_slots=12, request_total_slots=64, kv_active_blocks=1250, kv_total_blocks=10_000,
               num_requests_waiting=0, gpu_cache_usage_perc=0.125, gpu_prefix_cache_hit_rate=0.5,
               data_parallel_rank=0)
@@ -75,8 +78,8 @@ class Emulator:
         self._sender = await _sender(self.settings, hwm=2 * len(self.names))
         self._task = asyncio.get_running_loop().create_task(self._run())
 
-    def counters(self) -> dict[str, int]:
-        return {"offered": self.offered, "sent": self.sent, "coalesced": self.coalesced, "missed": self.missed}
+    def counters(self) -> EmulatorCounters:
+        return EmulatorCounters(offered=self.offered, sent=self.sent, coalesced=self.coalesced, missed=self.missed)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -200,12 +203,12 @@ class FollowerHost:
     def cold_s(self) -> float | None:
         return None if self.full_at is None else self.full_at - self.started_at
 
-    def take(self) -> dict[str, Any]:
+    def take(self) -> FollowerTake:
         """Counters since the last take (latencies and delta sizes are handed over and reset)."""
         f = self.follower
-        out = {"updates": f.updates if f else 0, "lat_ms": self.lat_ms, "bytes": f.bytes_received if f else 0,
-               "frames": f.frames_received if f else 0, "workers": len(f.workers) if f else 0,
-               "resyncs": f.resyncs if f else 0}
+        out = FollowerTake(updates=f.updates if f else 0, lat_ms=self.lat_ms, bytes=f.bytes_received if f else 0,
+                           frames=f.frames_received if f else 0, workers=len(f.workers) if f else 0,
+                           resyncs=f.resyncs if f else 0)
         self.lat_ms = []
         return out
 
@@ -261,16 +264,16 @@ def _window(agg: Any, agg_pid: int, emus: list[Any], hosts: list[Any], host_pids
     r1 = ray.get(agg.stats.remote()).reports
     e1 = ray.get([e.counters.remote() for e in emus])
     took = ray.get([h.take.remote() for h in hosts])
-    offered = sum(b["offered"] - a["offered"] for a, b in zip(e0, e1)) / dt  # sends made (a starved emulator skips)
+    offered = sum(b.offered - a.offered for a, b in zip(e0, e1)) / dt  # sends made (a starved emulator skips)
     absorbed = (r1 - r0) / dt
     agg_cpu = (c1[agg_pid] - c0[agg_pid]) / dt
     fol_cpu = statistics.mean((c1[p] - c0[p]) / dt for p in host_pids)
-    lat = [x for t in took for x in t["lat_ms"]]
-    frames = sum(t["frames"] - b["frames"] for t, b in zip(took, before))
-    nbytes = sum(t["bytes"] - b["bytes"] for t, b in zip(took, before))
-    deltas = statistics.mean((t["updates"] - b["updates"]) / dt for t, b in zip(took, before))
+    lat = [x for t in took for x in t.lat_ms]
+    frames = sum(t.frames - b.frames for t, b in zip(took, before))
+    nbytes = sum(t.bytes - b.bytes for t, b in zip(took, before))
+    deltas = statistics.mean((t.updates - b.updates) / dt for t, b in zip(took, before))
     return {
-        "offered": offered, "absorbed": absorbed, "resyncs": sum(t["resyncs"] - b["resyncs"] for t, b in zip(took, before)), "agg_cpu": 100 * agg_cpu,
+        "offered": offered, "absorbed": absorbed, "resyncs": sum(t.resyncs - b.resyncs for t, b in zip(took, before)), "agg_cpu": 100 * agg_cpu,
         "us_per_report": 1e6 * agg_cpu / absorbed if absorbed else float("nan"),
         "fol_cpu": 100 * fol_cpu, "floor_cpu": 100 * (c1[floor_pid] - c0[floor_pid]) / dt,
         "deltas_s": deltas, "p50": _q(lat, 50), "p99": _q(lat, 99), "samples": len(lat),
