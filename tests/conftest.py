@@ -43,7 +43,9 @@ def ray_cluster():
         from actors.models import NAMESPACE
 
         apply_serve_env()  # the Serve transport kvroute runs with
-        ray.init(num_cpus=8, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+        # sized for CI's 2 cores: every kvroute actor and Serve replica asks for 0 CPUs, so the
+        # logical CPUs only bound Ray's pool of prestarted idle workers (each a ~100 MB process)
+        ray.init(num_cpus=2, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
     yield ray
     try:
         from ray import serve
