@@ -130,6 +130,9 @@ class Forwarder:
         self.breakers.on_success(worker)
         self.metrics.duration_seconds.labels(worker).observe(time.perf_counter() - t0)
         self.metrics.requests.labels(policy, worker, "ok" if status < 400 else f"http_{status}").inc()
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("routed to %s (%s), answered %d in %.1f ms", worker, ticket.decision.reason, status,
+                         (time.perf_counter() - t0) * 1e3)
 
     async def _relay(self, up: Upstream, ticket: RequestTicket, t0: float, policy: str) -> AsyncIterator[bytes]:
         """Pass SSE chunks through as they arrive; a break after the start ends with an error event."""
