@@ -2,7 +2,9 @@
 
 Batched like the metrics: every few push intervals, and only when the counts changed (or a
 heartbeat is due), the counts go over the aggregator's ZeroMQ ingest as worker reports do — no
-Ray call per share. The aggregator publishes them to every follower in its fleet deltas.
+Ray call per share. The aggregator publishes them to every follower in its fleet deltas. An
+unreachable aggregator is retried through `actors.retry.reconnecting`; the counts are resent when
+it is back.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any, Awaitable, Callable
 
 from actors.link import AggregatorLink
 from actors.models import Settings
+from actors.retry import Backoff, reconnecting
 from serve_app.router import RouterCore
 
 logger = logging.getLogger("kvroute.router")
@@ -21,24 +24,26 @@ logger = logging.getLogger("kvroute.router")
 
 async def share_in_flight(core: RouterCore, replica_id: str, resolve_aggregator: Callable[[], Awaitable[Any]],
                           settings: Settings) -> None:
-    """Run until cancelled; an unreachable aggregator is retried, counts are resent when it is back."""
+    """Run until cancelled."""
     last: dict[str, int] | None = None
     last_sent = 0.0
+    backoff = Backoff(settings.reconnect_backoff_s, settings.reconnect_backoff_max_s)
     link = AggregatorLink(resolve_aggregator, hwm=2, backoff_s=settings.reconnect_backoff_s,
                           backoff_max_s=settings.reconnect_backoff_max_s)
-    try:
+
+    async def share() -> bool:
+        nonlocal last, last_sent
         while True:
-            try:
-                await asyncio.sleep(settings.push_interval_s * 5)
-                counts = core.in_flight_share()
-                now = time.monotonic()
-                if counts != last or now - last_sent > settings.heartbeat_s:
-                    if await link.ensure() and link.push_in_flight(replica_id, counts):
-                        last, last_sent = counts, now
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                logger.debug("in-flight share failed: %s", exc)
-                await asyncio.sleep(settings.reconnect_backoff_max_s)
+            await asyncio.sleep(settings.push_interval_s * 5)
+            counts = core.in_flight_share()
+            now = time.monotonic()
+            if counts != last or now - last_sent > settings.heartbeat_s:
+                if await link.ensure() and link.push_in_flight(replica_id, counts):
+                    last, last_sent = counts, now
+                    backoff.reset()
+
+    try:
+        await reconnecting(share, backoff, on_error=lambda exc: logger.debug("in-flight share failed: %s", exc),
+                           what="in-flight share")
     finally:
         link.close()

@@ -1,0 +1,81 @@
+"""serve_app.sharing: a replica's in-flight counts are pushed when they change, on heartbeat, and
+again after the aggregator link failed."""
+
+from __future__ import annotations
+
+import asyncio
+
+from actors.models import Settings
+from serve_app import sharing
+
+
+class FakeLink:
+    """Stands in for actors.link.AggregatorLink (ZeroMQ to a live aggregator): records pushes."""
+
+    instances: list["FakeLink"] = []
+
+    def __init__(self, resolve, **kwargs) -> None:
+        self.pushed: list[dict[str, int]] = []
+        self.fail_next = 0
+        self.closed = False
+        FakeLink.instances.append(self)
+
+    async def ensure(self) -> bool:
+        if self.fail_next:
+            self.fail_next -= 1
+            raise ConnectionError("aggregator away")
+        return True
+
+    def push_in_flight(self, replica: str, counts: dict[str, int]) -> bool:
+        self.pushed.append(dict(counts))
+        return True
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeCore:
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def in_flight_share(self) -> dict[str, int]:
+        return dict(self.counts)
+
+
+async def _until(pred, timeout_s: float = 3.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not pred():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.005)
+
+
+async def test_counts_are_pushed_on_change_and_heartbeat_and_after_a_failed_link(monkeypatch):
+    monkeypatch.setattr(sharing, "AggregatorLink", FakeLink)
+    FakeLink.instances.clear()
+    settings = Settings(push_interval_s=0.002, heartbeat_s=0.2, reconnect_backoff_s=0.01, reconnect_backoff_max_s=0.02)
+    core = FakeCore()
+
+    async def resolve():
+        return None
+
+    task = asyncio.create_task(sharing.share_in_flight(core, "r1", resolve, settings))
+    await _until(lambda: FakeLink.instances and FakeLink.instances[0].pushed)
+    link = FakeLink.instances[0]
+    assert link.pushed[0] == {}  # the first share goes out even when nothing is in flight
+    n = len(link.pushed)
+    await asyncio.sleep(0.06)
+    assert len(link.pushed) == n  # unchanged counts, heartbeat not due: nothing sent
+    core.counts = {"w1": 2}
+    await _until(lambda: link.pushed[-1] == {"w1": 2})
+    n = len(link.pushed)
+    await _until(lambda: len(link.pushed) > n)  # heartbeat resends the same counts
+    assert link.pushed[-1] == {"w1": 2}
+    link.fail_next = 2
+    core.counts = {"w1": 1, "w2": 1}
+    await _until(lambda: link.pushed[-1] == {"w1": 1, "w2": 1})  # retried through the failures
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    assert link.closed
