@@ -26,16 +26,15 @@ from actors.kv_handshake import KvEventsPlan, SilenceWatch, plan_subscription, r
 from actors.kv_log import KvLog
 from actors.launcher import LaunchError, ManagedProcess
 from actors.link import AggregatorLink
+from actors.metrics_pipe import MetricsPipe
 from actors.models import NAMESPACE, Settings
 from actors.protocol import (
     KvEventsCounters, KvEventsStatus, KvHandshakeSide, KvLogAnswer, RankMetrics, WorkerActorStats, WorkerReady,
     WorkerReport,
 )
-from actors.readable import SocketWatch
 
 logger = logging.getLogger("kvroute.worker")
 
-_DRAIN_BATCH = 4096  # frames handled per wake-up before yielding to other tasks
 _HARD_MSG_LIMIT_FACTOR = 16  # ZMQ drops peers sending above this × max_frame_bytes (memory bound)
 
 class EndpointError(RuntimeError):
@@ -104,18 +103,16 @@ class WorkerActor:
         self.health_detail = "not probed yet"
         self._health_timeouts = 0
         self._stopping = False
-        self._wake = asyncio.Event()
-        self._last_push = 0.0
-        self._unpushed = False  # metrics ingested since the last report that was queued
-        self._push_timer: asyncio.TimerHandle | None = None
-        self._watch: SocketWatch | None = None
-        self._raw: zmq.Socket | None = None
+        self._wake = asyncio.Event()  # a push now (liveness or status changed): the pipe's push loop sends it
         self._ctx = zmq.asyncio.Context()
         # reports go to the aggregator over ZeroMQ (Ray only finds it): no Ray call per push
         self._link = AggregatorLink(self._resolve_aggregator, ctx=self._ctx, hwm=self.settings.max_pending_pushes,
                                     backoff_s=self.settings.reconnect_backoff_s,
                                     backoff_max_s=self.settings.reconnect_backoff_max_s)
         self._sock = bind_pull(self._ctx, self.name, self.endpoint, self.settings.max_frame_bytes)
+        # receive, coalesce and push: the same pipeline as a Serve LLM replica's collector
+        self._pipe = MetricsPipe(self.name, self._sock, self.book, self._link, self.settings, self._report,
+                                 wake=self._wake)
         self.kv_log: KvLog | None = None
         self._own_name: str | None = None
         self._kv_changed = asyncio.Event()
@@ -142,11 +139,7 @@ class WorkerActor:
                                        on_change=self._on_process_change)
             self.url = self.proc.url
             self._launch = loop.create_task(self._start_process())
-        self._tasks = [
-            loop.create_task(self._recv_loop()),
-            loop.create_task(self._push_loop()),
-            loop.create_task(self._health_loop()),
-        ]
+        self._tasks = [*self._pipe.start(), loop.create_task(self._health_loop())]
         if self.kv_log is not None:
             self._tasks.append(loop.create_task(self._kv_loop()))
         logger.info("worker %s: PULL bound on %s, probing %s/health", self.name, self.endpoint, self.url)
@@ -280,10 +273,9 @@ class WorkerActor:
         if self._stopping:
             return
         self._stopping = True
+        self._pipe.stop()  # no push after this
         for t in self._tasks:
             t.cancel()
-        if self._push_timer is not None:
-            self._push_timer.cancel()
         if self._kv_catching_up is not None:
             self._kv_catching_up.cancel()
         # bounded: on Python 3.11 a wait_for racing the cancel can swallow it and keep a loop alive
@@ -308,44 +300,6 @@ class WorkerActor:
         await self._http.aclose()
         self._ctx.term()
         logger.info("worker %s: stopped", self.name)
-
-    # --- receive ------------------------------------------------------------------------------
-
-    async def _recv_loop(self) -> None:
-        """Receive SGLang's frames: the event loop calls `_drain` when the PULL is readable (one
-        callback per arrival, no future per frame); this task only holds the watch until cancelled."""
-        raw = self._raw = zmq.Socket.shadow(self._sock.underlying)  # sync view of the socket: cheap drains
-        watch = self._watch = SocketWatch(raw, lambda: self._drain(raw))
-        try:
-            await asyncio.Event().wait()
-        finally:
-            watch.close()
-
-    def _drain(self, raw: zmq.Socket, notify: bool = True) -> bool:
-        """Ingest what is waiting (a bounded batch); True if more may wait. `notify`: new metrics
-        go to `_metrics_arrived` (not when the coalescing window's end drains them)."""
-        fresh = False
-        try:
-            for _ in range(_DRAIN_BATCH):
-                try:
-                    frame = raw.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    return False
-                if raw.getsockopt(zmq.RCVMORE):  # SGLang never sends multipart
-                    while raw.getsockopt(zmq.RCVMORE):
-                        raw.recv(zmq.NOBLOCK)
-                    self.book.stats.frames_received += 1
-                    self.book.refuse("multipart", "multipart message")
-                    continue
-                if self.book.ingest(frame) is not None:
-                    fresh = self._unpushed = True
-            return True
-        except Exception:  # a receive path must never die
-            logger.exception("worker %s: receive error", self.name)
-            return True
-        finally:
-            if fresh and notify:
-                self._metrics_arrived()
 
     # --- KV events (exact prefix mode) ---------------------------------------------------------
 
@@ -463,82 +417,6 @@ class WorkerActor:
         if self._own_name is None:
             self._own_name = ray.get_runtime_context().get_actor_name()
         return self._own_name
-
-    def _metrics_arrived(self) -> None:
-        """New SGLang metrics, throttled on both edges: the first change after `coalesce_s` without a
-        push goes at once, from the receive callback itself (no hand-off to the push loop). After
-        that a coalescing window starts: the receive watch sleeps (SGLang's frames wait in the
-        socket; the actor is not woken per frame) and at its end one push carries the newest state."""
-        if self._push_timer is not None:
-            return
-        if time.monotonic() - self._last_push >= self.settings.coalesce_s and self._push_now():
-            return
-        self._start_window()
-
-    def _start_window(self) -> None:
-        if self._watch is not None:
-            self._watch.pause()
-        wait = max(self.settings.coalesce_s - (time.monotonic() - self._last_push), self.settings.push_interval_s)
-        self._push_timer = asyncio.get_running_loop().call_later(wait, self._window_ends)
-
-    def _window_ends(self) -> None:
-        """Drain what waited and push it; while the engine keeps sending, stay in windows (one
-        wake-up and one push per `coalesce_s`); once a window stays empty, wake on arrival again."""
-        self._push_timer = None
-        if self._stopping:
-            return
-        assert self._raw is not None  # a window starts only from the receive path
-        self._drain(self._raw, notify=False)
-        if self._unpushed:
-            self._push_now()  # if it is not queued, the next window (or the push loop) sends the newest
-            self._start_window()
-        elif self._watch is not None:
-            self._watch.resume_now()
-
-    def _push_now(self) -> bool:
-        """Push the newest report if the link is up (else the push loop reconnects and sends it)."""
-        if self._stopping:
-            return True
-        if not self._link.ready():
-            self._wake.set()
-            return False
-        self._last_push = time.monotonic()
-        ok = self._link.push_reports([self._report()])
-        self._unpushed = self._unpushed and not ok
-        return ok
-
-    async def _push_loop(self) -> None:
-        """Heartbeats, liveness and status changes, and reconnection: the newest state every
-        `heartbeat_s` (counted from the last push, wherever it came from) or at once when woken;
-        a push never waits on the aggregator (a frame it cannot queue is dropped and the next,
-        newer report goes instead)."""
-        s = self.settings
-        while True:
-            try:
-                wait = s.heartbeat_s - (time.monotonic() - self._last_push)
-                if wait > 0 and not self._wake.is_set():
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), timeout=wait)
-                    except asyncio.TimeoutError:
-                        continue  # re-check: the receive loop may have pushed meanwhile
-                last = self._last_push
-                gap = s.push_interval_s - (time.monotonic() - last)
-                if gap > 0:
-                    await asyncio.sleep(gap)
-                if not await self._link.ensure():
-                    await asyncio.sleep(min(s.reconnect_backoff_s, s.heartbeat_s))
-                    continue
-                self._wake.clear()
-                if self._link.push_reports([self._report()]):
-                    self._unpushed = False
-                else:
-                    self._wake.set()  # not queued: send the newest state again after the gap
-                self._last_push = time.monotonic()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                logger.exception("worker %s: push loop error", self.name)
-                await asyncio.sleep(s.push_interval_s)
 
     async def _resolve_aggregator(self) -> Any:
         return await asyncio.to_thread(get_or_create_aggregator, self.settings)
