@@ -55,7 +55,13 @@ class WorkerSpec(BaseModel):
     engine: Literal["sim", "sglang"] | None = Field(
         None, description="managed mode: the worker actor launches this engine (unset = attach mode)"
     )
-    model: str | None = Field(None, description="model path or name (required with engine: sglang)")
+    model: str | None = Field(None, description="model path or name (required with engine: sglang); the model "
+                              "the worker serves unless served_model_names says otherwise")
+    served_model_names: list[str] = Field(
+        default_factory=list, max_length=64,
+        description="the model name(s) requests may name to reach this worker (aliases allowed); unset: managed "
+        "mode's model (or engine_args.served_model_name), attach mode asks the worker's GET /v1/models",
+    )
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
         description="extra server flags, snake_case (tp_size → --tp-size); kvroute sets --host, --port, "
@@ -87,6 +93,16 @@ class WorkerSpec(BaseModel):
     def _name_ok(cls, v: str) -> str:
         if not _NAME.match(v):
             raise ValueError("must be 1-63 chars of letters, digits, '_', '.', '-'")
+        return v
+
+    @field_validator("served_model_names")
+    @classmethod
+    def _model_names_ok(cls, v: list[str]) -> list[str]:
+        for n in v:
+            if not n or len(n) > 256 or n != n.strip():
+                raise ValueError(f"{n!r}: a model name is 1-256 characters without surrounding spaces")
+        if len(set(v)) != len(v):
+            raise ValueError("a model name is listed twice")
         return v
 
     @field_validator("url")
@@ -138,6 +154,16 @@ class WorkerSpec(BaseModel):
         """KV-event publishers of this engine: one per DP rank, on port base + rank (SGLang 0.5.23 counts
         attention-DP ranks, or DP replicas without DP-attention; older releases only attention-DP ranks)."""
         return max(1, int(self.engine_args.get("dp_size", 1) or 1))
+
+    @property
+    def declared_models(self) -> list[str]:
+        """The model names this entry says the worker serves ([] = ask the worker's /v1/models)."""
+        if self.served_model_names:
+            return list(self.served_model_names)
+        served = self.engine_args.get("served_model_name")
+        if self.managed and (served or self.model):
+            return [str(served or self.model)]
+        return []
 
     @property
     def managed(self) -> bool:

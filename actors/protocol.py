@@ -111,6 +111,7 @@ class WorkerReport(msgspec.Struct, array_like=True, frozen=True):
     managed: ManagedEngine | None = None
     kv_events_actor: Name | None = None  # the Ray actor (in NAMESPACE) whose `kv_since` routers follow
     kv_events: KvEventsStatus | None = None
+    models: Annotated[list[Name], msgspec.Meta(max_length=64)] = []  # the model names it serves ([] = unknown)
 
 
 class ReportBatch(msgspec.Struct, tag="r", array_like=True, frozen=True):
@@ -148,6 +149,7 @@ class WorkerUpdate(msgspec.Struct, array_like=True, frozen=True):
     managed: ManagedEngine | None = None
     kv_events_actor: str | None = None
     kv_events: KvEventsStatus | None = None
+    models: list[str] = []  # the model names it serves ([] = unknown)
 
 
 class MetricsUpdate(msgspec.Struct, array_like=True, frozen=True):

@@ -102,6 +102,8 @@ class WorkerActor:
         self.healthy = False
         self.health_detail = "not probed yet"
         self._health_timeouts = 0
+        # the model names it serves: as the fleet entry says, else (attach mode) its /v1/models once healthy
+        self.models: list[str] = self.spec.declared_models
         self._stopping = False
         self._wake = asyncio.Event()  # a push now (liveness or status changed): the pipe's push loop sends it
         self._ctx = zmq.asyncio.Context()
@@ -411,7 +413,7 @@ class WorkerActor:
                             healthy=self.healthy, health_detail=self.health_detail, ranks=ranks,
                             managed=self.proc.status.report() if self.proc else None,
                             kv_events_actor=self._actor_name() if kv else None,
-                            kv_events=self._kv_info() if kv else None)
+                            kv_events=self._kv_info() if kv else None, models=self.models)
 
     def _actor_name(self) -> str:
         if self._own_name is None:
@@ -456,8 +458,27 @@ class WorkerActor:
         self._health_timeouts = 0
         if code == 200:
             self._set_health(True, "ok")
+            if not self.models and not self.spec.managed:
+                await self._ask_models()
         else:
             self._set_health(False, f"/health returned {code}")
+
+    async def _ask_models(self) -> None:
+        """Attach mode without `served_model_names`: what the worker's `GET /v1/models` lists (asked at
+        each probe until it answers; until then the worker reports no model)."""
+        try:
+            r = await self._http.get(f"{self.url}/v1/models")
+            ids = [m["id"] for m in r.json()["data"]] if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            logger.debug("worker %s: /v1/models not answered (%s)", self.name, type(exc).__name__)
+            return
+        ok = isinstance(ids, list) and all(isinstance(i, str) and 0 < len(i) <= 256 for i in ids)
+        if not ok or not ids:
+            logger.debug("worker %s: /v1/models gave no usable model list (HTTP %s)", self.name, r.status_code)
+            return
+        self.models = list(dict.fromkeys(ids))[:64]
+        logger.info("worker %s serves %s (its /v1/models)", self.name, ", ".join(self.models))
+        self._wake.set()
 
     async def _health_loop(self) -> None:
         while True:

@@ -146,12 +146,14 @@ class KvRouter:
     async def route(self, request: Request, send: Send) -> None:
         guards.check_client(request, self.config)
         _, body = await guards.json_body(request, self.config)
-        facts, policy = self.forwarder.routing_input(request, body)
+        facts, policy, model = self.forwarder.routing_input(request, body)
         try:
-            d, _ = self.core.decide(facts, policy)
+            d, _ = self.core.decide(facts, policy, model=model)
         except NoWorkerAvailable as exc:
             raise HttpError(503, str(exc), code="no_worker", headers={"retry-after": "1"}) from None
-        await send_json(send, 200, {"worker": d.worker, "url": d.url, "policy": d.policy, "reason": d.reason})
+        rec = self.follower.workers.get(d.worker)
+        await send_json(send, 200, {"worker": d.worker, "url": d.url, "policy": d.policy, "reason": d.reason,
+                                    "model": model, "models": rec.models if rec is not None else []})
 
     def _proxy_route(self, path: str) -> Handler:
         async def proxy(request: Request, send: Send) -> None:

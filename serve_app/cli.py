@@ -215,8 +215,9 @@ def _print_banner(url: str, router: RouterConfig) -> None:
 
 
 def demo_fleet(n: int, *, tmpdir: str, base_port: int | None = None, wire: str = "0.5.23",
-               time_scale: float = 1.0) -> FleetSpec:
-    """N simulated SGLang workers, each launched by its actor, metrics on ipc:// in `tmpdir`."""
+               time_scale: float = 1.0, models: list[str] | None = None) -> FleetSpec:
+    """N simulated SGLang workers, each launched by its actor, metrics on ipc:// in `tmpdir`;
+    with `models`, worker i serves models[i % len(models)]."""
     workers = []
     for i in range(n):
         w: dict[str, Any] = {
@@ -228,6 +229,8 @@ def demo_fleet(n: int, *, tmpdir: str, base_port: int | None = None, wire: str =
         }
         if base_port:
             w["url"] = f"http://127.0.0.1:{base_port + i}"
+        if models:
+            w["model"] = models[i % len(models)]
         workers.append(w)
     return parse_fleet({"workers": workers}, "demo")
 
@@ -236,8 +239,16 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     if ns.workers < 1:
         print("kvroute: --workers must be at least 1", file=sys.stderr)
         return 2
+    models = [m.strip() for m in ns.models.split(",")] if ns.models else None
+    if models is not None and (not all(models) or len(set(models)) != len(models)):
+        print("kvroute: --models must be distinct comma-separated names, e.g. --models A,B", file=sys.stderr)
+        return 2
+    if models is not None and ns.workers < len(models):
+        print(f"kvroute: --models names {len(models)} models: --workers must be at least {len(models)}",
+              file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="kvroute-demo-") as tmp:
-        fleet = demo_fleet(ns.workers, tmpdir=tmp, wire=ns.wire, time_scale=ns.time_scale)
+        fleet = demo_fleet(ns.workers, tmpdir=tmp, wire=ns.wire, time_scale=ns.time_scale, models=models)
         return _run(fleet, ns, live_table=not ns.no_table)
 
 
@@ -327,6 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="local Ray + N simulated SGLang workers + the router")
     d.add_argument("--workers", type=int, default=3)
     d.add_argument("--wire", default="0.5.23", help="KvMetrics wire form the simulated workers send")
+    d.add_argument("--models", default=None, help="comma-separated model names: a multi-model fleet, workers split "
+                   "between them (e.g. --models A,B)")
     d.add_argument("--time-scale", type=float, default=1.0, help="simulated engine time scale (<1 = faster)")
     d.add_argument("--no-table", action="store_true", help="do not draw the live worker table")
     common(d)

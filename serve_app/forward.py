@@ -17,12 +17,12 @@ from typing import Any, AsyncIterator
 
 from serve_app.breaker import Breakers
 from serve_app.config import RouterConfig
-from serve_app.http import HttpError, Request, Send, send_body, send_stream
+from serve_app.http import HttpError, Request, Send, send_body, send_json, send_stream
 from serve_app.metrics import RouterMetrics
 from serve_app.policies import NoWorkerAvailable, UnknownPolicy
 from serve_app.proxy import UPSTREAM_ERRORS, Upstream, UpstreamClient, UpstreamError, forward_headers, sse_error_event
 from serve_app.request_facts import InvalidRequestBody
-from serve_app.router import RequestTicket, RouterCore
+from serve_app.router import ModelRequired, RequestTicket, RouterCore, UnknownModel
 
 logger = logging.getLogger("kvroute.router")
 
@@ -41,10 +41,19 @@ class Forwarder:
         self.metrics = metrics
         self.config = config
 
-    def routing_input(self, request: Request, body: dict[str, Any]) -> tuple[Any, str]:
-        """Routing facts and policy name of a request, or its 400."""
+    def routing_input(self, request: Request, body: dict[str, Any]) -> tuple[Any, str, str | None]:
+        """Routing facts, policy name and model (`RouterCore.resolve_model`) of a request, or its
+        400 / 404 (a model no worker serves: OpenAI's `model_not_found`)."""
+        name = body.get("model")
+        if name is not None and not isinstance(name, str):
+            raise HttpError(400, "model: must be a string", code="invalid_body")
         try:
-            return self.core.facts(body), self.core.policy(request.headers.get(POLICY_HEADER)).name
+            model = self.core.resolve_model(name)
+            return self.core.facts(body), self.core.policy(request.headers.get(POLICY_HEADER)).name, model
+        except UnknownModel as exc:
+            raise HttpError(404, str(exc), code="model_not_found") from None
+        except ModelRequired as exc:
+            raise HttpError(400, str(exc), code="model_required") from None
         except InvalidRequestBody as exc:
             raise HttpError(400, str(exc), code="invalid_body") from None
         except RecursionError:
@@ -53,7 +62,7 @@ class Forwarder:
             raise HttpError(400, str(exc), code="unknown_policy") from None
 
     async def forward(self, request: Request, send: Send, path: str, raw: bytes, body: dict[str, Any]) -> None:
-        facts, policy = self.routing_input(request, body)
+        facts, policy, model = self.routing_input(request, body)
         stream = body.get("stream") is True
         headers = forward_headers(request.headers)
         tried: set[str] = set()
@@ -63,7 +72,7 @@ class Forwarder:
         for attempt in range(self.config.max_attempts):
             t_decide = time.perf_counter()
             try:
-                ticket = self.core.route(facts, policy, exclude=tried | self.breakers.blocked())
+                ticket = self.core.route(facts, policy, exclude=tried | self.breakers.blocked(), model=model)
             except NoWorkerAvailable as exc:
                 if not failures:
                     m.requests.labels(policy, "", "no_worker").inc()
@@ -160,7 +169,14 @@ class Forwarder:
                 self.metrics.requests.labels(policy, worker, outcome).inc()
 
     async def models(self, send: Send, workers: dict[str, Any]) -> None:
-        """`GET /v1/models` from a healthy worker (tried in random order)."""
+        """`GET /v1/models`: every model the fleet serves, from the fleet view (OpenAI's list shape).
+        Only a fleet whose workers declare no model asks a healthy worker (tried in random order)."""
+        served = self.core.served_models()
+        if served:
+            await send_json(send, 200, {"object": "list", "data": [
+                {"id": m, "object": "model", "created": 0, "owned_by": "kvroute",
+                 "workers": len(self.core.serving(m))} for m in served]})
+            return
         healthy = [r for r in workers.values() if r.state != "down" and r.healthy]
         random.shuffle(healthy)
         for rec in healthy[: self.config.max_attempts]:

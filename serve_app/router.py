@@ -32,6 +32,19 @@ DECISION_LOG_COLUMNS = ("state", "running", "waiting", "kv_active_blocks", "pend
                         "overlap", "metrics_age_s", "prefilling")
 
 
+class UnknownModel(LookupError):
+    """The request names a model no worker of the fleet serves (→ OpenAI's 404 model_not_found)."""
+
+    def __init__(self, model: str, served: list[str]) -> None:
+        super().__init__(f"the model {model!r} does not exist in this fleet; served: {', '.join(served)}")
+        self.model = model
+        self.served = served
+
+
+class ModelRequired(ValueError):
+    """A request without `model` on a fleet that serves several (→ 400)."""
+
+
 def base_view(rec: WorkerRecord, hot_blocks: int = 0, reused_blocks: int = 0) -> WorkerView:
     """A worker as its last report shows it, with the prefix index's hot (and of those, reused)
     blocks (the ledger adds its own figures on top)."""
@@ -81,6 +94,9 @@ class RouterCore:
         self._policies = {name: get_policy(name) for name in POLICIES}
         self._policies["kv_aware"] = KvAware(config.kv_aware)
         self._base: dict[str, WorkerView] = {}
+        # per model: which workers serve it (a worker may serve several names: aliases)
+        self._served: dict[str, tuple[str, ...]] = {}  # worker → its model names (absent: unknown)
+        self._by_model: dict[str, set[str]] = {}  # model name → workers serving it
         self.fleet = FleetView()
         follower.on_update = self.on_fleet_update
         self._clock = clock
@@ -95,6 +111,7 @@ class RouterCore:
         `follower.workers` left the fleet): fleet view, ledger, prefix index, other replicas' counts."""
         for name in changed:
             rec = self.follower.workers.get(name)
+            self._index_models(name, tuple(rec.models) if rec is not None else ())
             if rec is None:
                 if self.kv_follower is not None:
                     self.kv_follower.drop(name)
@@ -115,6 +132,56 @@ class RouterCore:
             self._base[name] = base
             self.fleet.update(self.ledger.apply(base))
             self.ledger.set_remote(name, rec.in_flight_by_replica)
+
+    def _index_models(self, worker: str, models: tuple[str, ...]) -> None:
+        old = self._served.get(worker, ())
+        if old == models:
+            return
+        for m in old:
+            ws = self._by_model.get(m)
+            if ws is not None:
+                ws.discard(worker)
+                if not ws:
+                    del self._by_model[m]
+        for m in models:
+            self._by_model.setdefault(m, set()).add(worker)
+        if models:
+            self._served[worker] = models
+        else:
+            self._served.pop(worker, None)
+
+    def served_models(self) -> list[str]:
+        """Every model name the fleet serves (aliases included), sorted."""
+        return sorted(self._by_model)
+
+    def resolve_model(self, name: str | None) -> str | None:
+        """The model a request is routed for: `name` if some worker serves it; with no name, the
+        fleet's only model (every worker that declares models declares the same ones). None when
+        no worker declares a model (a model-agnostic fleet: every worker may take every request).
+        Raises UnknownModel (no worker serves `name`), ModelRequired (no name, several models)."""
+        if not self._by_model:
+            return None
+        if name is None:
+            groups = set(self._served.values())
+            if len(groups) == 1:
+                return next(iter(groups))[0]
+            raise ModelRequired(f"this fleet serves several models, name one in `model`: "
+                                f"{', '.join(self.served_models())}")
+        if name not in self._by_model:
+            raise UnknownModel(name, self.served_models())
+        return name
+
+    def serving(self, model: str) -> set[str]:
+        """The workers serving `model` (empty if none does)."""
+        return self._by_model.get(model, set())
+
+    def _prefix_keys(self, block_hashes: tuple[int, ...], model: str | None) -> tuple[int, ...]:
+        """The approximate index's keys of a prompt's blocks: (model, block) when the fleet serves
+        several models, so a prefix sent to a model-B worker never attracts a model-A request."""
+        if model is None or len(self._by_model) < 2 or not block_hashes:
+            return block_hashes
+        salt = hash(("kvroute-model", model))
+        return tuple(h ^ salt for h in block_hashes)
 
     def refresh_remote(self) -> None:
         """Re-date the other replicas' counts we still see in the snapshot (the aggregator expires
@@ -157,14 +224,25 @@ class RouterCore:
         return p
 
     def decide(
-        self, request: RouteRequest, policy_name: str | None = None, exclude: set[str] | frozenset[str] = frozenset()
+        self, request: RouteRequest, policy_name: str | None = None, exclude: set[str] | frozenset[str] = frozenset(),
+        model: str | None = None,
     ) -> tuple[Decision, RouteRequest]:
-        """Pick a worker (never one in `exclude`, e.g. already failed for this request). Returns
-        the decision and the request with the prefix overlap it was decided on — pass that one to
-        `on_routed`, so the ledger charges only the blocks the worker must still prefill."""
+        """Pick a worker serving `model` (a `resolve_model` answer; None: any worker), never one in
+        `exclude` (e.g. already failed for this request). Returns the decision and the request with
+        the prefix overlap it was decided on — pass that one to `on_routed`, so the ledger charges
+        only the blocks the worker must still prefill."""
         policy = self.policy(policy_name)
+        if model is not None:
+            serving = self._by_model.get(model, set())
+            if not serving - exclude:
+                raise NoWorkerAvailable(
+                    f"no routable worker for model {model!r}: " + (
+                        f"all {len(serving)} serving it are excluded for this request (already tried, or circuit "
+                        f"breaker open)" if serving else "no worker serves it any more"))
+            if len(serving) < len(self._base):  # the other models' workers are not candidates
+                exclude = set(exclude) | (self._base.keys() - serving)
         if request.block_hashes:
-            overlap = self.prefix.overlap(request.block_hashes)
+            overlap = self.prefix.overlap(self._prefix_keys(request.block_hashes, model))
             synced = self.kv_follower.synced if self.kv_follower is not None else ()
             if synced:  # exact mode: what the engine reports it holds beats what we sent it
                 exact = self.exact.overlap(request.block_hashes)
@@ -205,24 +283,25 @@ class RouterCore:
         self._dlog.write(json.dumps({"t": round(now, 4), "worker": decision.worker, "reason": decision.reason,
                                      "prompt_blocks": request.prompt_blocks, "w": cand}) + "\n")
 
-    def on_routed(self, request_id: str, request: RouteRequest, worker: str) -> None:
+    def on_routed(self, request_id: str, request: RouteRequest, worker: str, model: str | None = None) -> None:
         """The request is being sent to `worker`: count it in flight and index its prompt there
         (now, not when the worker answers: a long prefill would otherwise let the next requests
         with the same prefix miss it). A failed attempt leaves a stale entry that ages out."""
         self.ledger.on_routed(request_id, worker, request.prompt_blocks, request.overlap.get(worker, 0))
         if request.block_hashes:
-            self.prefix.record(worker, request.block_hashes)
+            self.prefix.record(worker, self._prefix_keys(request.block_hashes, model))
 
     def route(
-        self, request: RouteRequest, policy_name: str | None = None, exclude: set[str] | frozenset[str] = frozenset()
+        self, request: RouteRequest, policy_name: str | None = None, exclude: set[str] | frozenset[str] = frozenset(),
+        model: str | None = None,
     ) -> "RequestTicket":
         """Decide (`decide`) and book the request on the chosen worker (`on_routed`). The ticket
         carries the decision; call its `first_token()` when the first response byte arrives, then
         exactly one of `finished()` or `failed()` (a retry elsewhere is a new `route`, with the
         failed worker in `exclude`). Raises NoWorkerAvailable, UnknownPolicy."""
-        decision, request = self.decide(request, policy_name, exclude)
+        decision, request = self.decide(request, policy_name, exclude, model)
         request_id = f"{self.replica_id}-{next(self._request_ids)}"
-        self.on_routed(request_id, request, decision.worker)
+        self.on_routed(request_id, request, decision.worker, model)
         return RequestTicket(decision, request, request_id, self.ledger)
 
     # --- public views -------------------------------------------------------------------------
@@ -240,6 +319,7 @@ class RouterCore:
                     "healthy": rec.healthy,
                     "health_detail": rec.health_detail,
                     "page_size": rec.page_size,
+                    "models": rec.models,
                     "metrics_age_s": None if rec.metrics_at is None else round(now - rec.metrics_at, 4),
                     "heartbeat_age_s": round(now - rec.heartbeat_at, 4),
                     "metrics": {f: rec.metrics[f] for f in KV_METRICS_FIELDS} if rec.metrics else None,
@@ -269,6 +349,7 @@ class RouterCore:
             "workers": states,
             "replica": self.replica_id,
             "default_policy": self.default_policy,
+            "models": self.served_models(),
         }
 
 

@@ -22,8 +22,10 @@ def fetch_workers(url: str, api_key: str | None = None, timeout_s: float = 3.0) 
 
 def render(data: dict[str, Any]) -> Table:
     t = Table(title=f"kvroute workers (snapshot v{data.get('version')})", expand=False)
-    for col in ("worker", "state", "run/slots", "wait", "KV", "hit", "in-flt", "age"):
-        t.add_column(col, justify="right" if col not in ("worker", "state") else "left", no_wrap=True)
+    with_models = any(w.get("models") for w in data.get("workers", []))  # a column only when workers name them
+    for col in ("worker", *(("model",) if with_models else ()), "state", "run/slots", "wait", "KV", "hit", "in-flt",
+                "age"):
+        t.add_column(col, justify="right" if col not in ("worker", "model", "state") else "left", no_wrap=True)
     for w in data.get("workers", []):
         m = w.get("metrics") or {}
         total = m.get("request_total_slots")
@@ -33,6 +35,7 @@ def render(data: dict[str, Any]) -> Table:
         age = w.get("metrics_age_s")
         t.add_row(
             w["name"],
+            *((", ".join(w.get("models") or []) or "?",) if with_models else ()),
             f"[{_STATE_STYLE.get(w['state'], '')}]{w['state']}[/]",
             running,
             str(m.get("num_requests_waiting", "-")) if m else "-",

@@ -1,0 +1,234 @@
+"""Multi-model fleets (issue 19, item 1): routing only among the workers of the named model, the
+404 for a model nobody serves, /v1/models as the fleet's union, per-model prefix affinity."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from actors.fleet import FleetError, parse_fleet
+from actors.models import Settings
+from actors.protocol import RankMetrics, WorkerReport, decode_delta, encode_delta
+from actors.registry import FleetRegistry
+from serve_app.breaker import Breakers
+from serve_app.config import RouterConfig
+from serve_app.follower import FleetFollower, WorkerRecord
+from serve_app.forward import Forwarder
+from serve_app.http import HttpError
+from serve_app.metrics import RouterMetrics
+from serve_app.policies import POLICIES, NoWorkerAvailable
+from serve_app.router import ModelRequired, RouterCore, UnknownModel
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+async def _unused() -> Any:
+    raise AssertionError("not following an aggregator here")
+
+
+def put(core: RouterCore, clock: Clock, name: str, models: list[str], state: str = "live", running: int = 0) -> None:
+    m = dict(request_active_slots=running, request_total_slots=64, kv_active_blocks=0, kv_total_blocks=4096,
+             num_requests_waiting=0, gpu_cache_usage_perc=0.0, gpu_prefix_cache_hit_rate=0.0, data_parallel_rank=0)
+    core.follower.workers[name] = WorkerRecord(name=name, url=f"http://{name}", page_size=16, state=state,
+                                               healthy=state != "down", metrics=m, metrics_at=clock.t,
+                                               heartbeat_at=clock.t, models=list(models))
+    core.on_fleet_update([name])
+
+
+def make_core(fleet: dict[str, list[str]], **router: Any) -> tuple[RouterCore, Clock]:
+    clock = Clock()
+    core = RouterCore(RouterConfig(**router), FleetFollower(_unused), "r0", clock=clock)
+    for name, models in fleet.items():
+        put(core, clock, name, models)
+    return core, clock
+
+
+def chat(model: str | None, system: str, question: str = "q") -> dict:
+    body: dict[str, Any] = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+    if model is not None:
+        body["model"] = model
+    return body
+
+
+def test_misrouting_across_models_is_impossible_over_random_fleets_and_requests():
+    """Property: over random fleets (1-4 models, aliases, workers in every state, some serving
+    nothing known), random policies, prompts shared across models and random exclusions, a
+    request naming model M only ever lands on a worker serving M; NoWorkerAvailable only when no
+    live/idle worker serving M is left; a name nobody serves is UnknownModel."""
+    rng = random.Random(19)
+    routed = 0
+    for trial in range(150):
+        n_models = rng.randint(1, 4)
+        models = [f"model-{chr(65 + i)}" for i in range(n_models)]
+        core, clock = make_core({}, policy=rng.choice(sorted(POLICIES)), seed=trial)
+        serves: dict[str, set[str]] = {}
+        states: dict[str, str] = {}
+        for i in range(rng.randint(1, 8)):
+            name = f"w{i}"
+            own = rng.sample(models, rng.randint(1, min(2, n_models)))
+            if rng.random() < 0.3:
+                own.append(own[0] + "-alias")
+            state = rng.choice(["live", "live", "idle", "down"])
+            put(core, clock, name, own, state=state, running=rng.randint(0, 8))
+            serves[name], states[name] = set(own), state
+        served = set().union(*serves.values())
+        prompts = ["shared system prompt " * rng.randint(20, 200) for _ in range(3)]
+        for j in range(40):
+            clock.t += 0.01
+            model = rng.choice(sorted(served) + ["not-served"])
+            policy = rng.choice(sorted(POLICIES))
+            exclude = {w for w in serves if rng.random() < 0.2}
+            body = chat(model, rng.choice(prompts), f"q{j}")
+            if model == "not-served":
+                with pytest.raises(UnknownModel) as err:
+                    core.resolve_model(model)
+                assert err.value.served == sorted(served)
+                continue
+            key = core.resolve_model(model)
+            assert key == model
+            candidates = {w for w, ms in serves.items() if model in ms and w not in exclude and states[w] != "down"}
+            try:
+                ticket = core.route(core.facts(body), policy, exclude=exclude, model=key)
+            except NoWorkerAvailable:
+                assert not candidates, (trial, j, model, policy, candidates)
+                continue
+            assert model in serves[ticket.worker], (trial, j, model, ticket.worker, serves)
+            assert ticket.worker in candidates
+            ticket.first_token()
+            if rng.random() < 0.5:
+                ticket.finished()
+            routed += 1
+    assert routed > 1000
+
+
+def test_a_prefix_cached_on_a_model_b_worker_never_attracts_a_model_a_request():
+    core, _ = make_core({"a0": ["A"], "a1": ["A"], "b0": ["B"]}, policy="kv_aware")
+    system = "a long shared system prompt " * 300
+    for i in range(3):
+        t = core.route(core.facts(chat("B", system, f"q{i}")), model="B")
+        assert t.worker == "b0"
+        t.finished()
+    _, request = core.decide(core.facts(chat("A", system)), model="A")
+    assert request.overlap.get("b0", 0) == 0  # the index is keyed by (model, block)
+    assert not any(request.overlap.values())
+    _, request = core.decide(core.facts(chat("B", system)), model="B")
+    assert request.overlap.get("b0", 0) > 0  # while B's own affinity is there
+
+
+def test_model_resolution_single_multi_unknown_and_model_agnostic_fleets():
+    agnostic, _ = make_core({"w0": [], "w1": []})
+    assert agnostic.resolve_model("anything") is None and agnostic.resolve_model(None) is None
+    single, _ = make_core({"w0": ["A", "a"], "w1": ["A", "a"]})
+    assert single.resolve_model(None) == "A"  # no `model` on a single-model fleet: routed as before
+    assert single.resolve_model("a") == "a"
+    with pytest.raises(UnknownModel):
+        single.resolve_model("B")  # one model served, another named: no silent fallback
+    multi, clock = make_core({"w0": ["A"], "w1": ["B"]})
+    with pytest.raises(ModelRequired):
+        multi.resolve_model(None)
+    put(multi, clock, "w1", ["A"])  # a worker's model changes: the index follows
+    assert multi.served_models() == ["A"] and multi.serving("A") == {"w0", "w1"}
+    del multi.follower.workers["w0"]
+    multi.on_fleet_update(["w0"])
+    assert multi.serving("A") == {"w1"}
+    del multi.follower.workers["w1"]
+    multi.on_fleet_update(["w1"])
+    assert multi.served_models() == [] and multi.resolve_model("A") is None
+
+
+def test_every_serving_worker_excluded_is_a_clear_no_worker_error():
+    core, _ = make_core({"a0": ["A"], "b0": ["B"]})
+    with pytest.raises(NoWorkerAvailable, match="model 'A'"):
+        core.route(core.facts(chat("A", "x " * 50)), exclude={"a0"}, model="A")
+
+
+def _forwarder(core: RouterCore) -> Forwarder:
+    breakers = Breakers(core.config.breaker)
+    return Forwarder(core, upstream=None, breakers=breakers, metrics=RouterMetrics(core, breakers),  # type: ignore[arg-type]
+                     config=core.config)
+
+
+def test_an_unknown_model_is_openais_404_model_not_found_listing_the_served_ones():
+    core, _ = make_core({"a0": ["A"], "b0": ["B", "b-alias"]})
+    fwd = _forwarder(core)
+    req = SimpleNamespace(headers={})
+    with pytest.raises(HttpError) as err:
+        fwd.routing_input(req, chat("C", "hello"))  # type: ignore[arg-type]
+    e = err.value
+    body = json.loads(e.body())
+    assert e.status == 404 and body["error"]["code"] == "model_not_found"
+    assert body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["message"].endswith("served: A, B, b-alias") and "'C'" in body["error"]["message"]
+    with pytest.raises(HttpError) as err:
+        fwd.routing_input(req, chat(None, "hello"))  # type: ignore[arg-type]
+    assert err.value.status == 400 and err.value.code == "model_required"
+    with pytest.raises(HttpError) as err:
+        fwd.routing_input(req, {**chat(None, "hello"), "model": 7})  # type: ignore[arg-type]
+    assert err.value.status == 400
+    _, _, model = fwd.routing_input(req, chat("b-alias", "hello"))  # type: ignore[arg-type]
+    assert model == "b-alias"
+
+
+def test_v1_models_is_the_union_of_the_fleet_answered_without_an_upstream_call():
+    core, _ = make_core({"a0": ["A"], "a1": ["A"], "b0": ["B", "b-alias"]})
+    fwd = _forwarder(core)  # upstream=None: any upstream call would fail
+    sent: list[dict] = []
+
+    async def send(msg: dict) -> None:
+        sent.append(msg)
+
+    asyncio.run(fwd.models(send, core.follower.workers))
+    assert sent[0]["status"] == 200
+    body = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+    assert body["object"] == "list"
+    assert [(m["id"], m["object"], m["workers"]) for m in body["data"]] == [("A", "model", 2), ("B", "model", 1),
+                                                                          ("b-alias", "model", 1)]
+
+
+def test_workers_json_and_healthz_show_each_workers_models():
+    core, _ = make_core({"a0": ["A"], "b0": ["B"]})
+    assert {w["name"]: w["models"] for w in core.workers_json()["workers"]} == {"a0": ["A"], "b0": ["B"]}
+    assert core.healthz()["models"] == ["A", "B"]
+
+
+def test_the_models_travel_from_the_report_through_the_registry_and_delta_to_the_follower():
+    reg = FleetRegistry(Settings(), clock=Clock())
+    rank = [RankMetrics(0, 8, 0, 100, 0, 0.0, 0.0, 0, 0.0, 1)]
+    reg.report(WorkerReport(name="a", url="http://a", page_size=16, incarnation="i", healthy=True, ranks=rank,
+                            models=["A", "a-alias"]))
+    reg.report(WorkerReport(name="b", url="http://b", page_size=16, incarnation="i", healthy=True, ranks=rank))
+    f = FleetFollower(_unused)
+    f.apply(decode_delta(encode_delta(reg.snapshot())))
+    assert f.workers["a"].models == ["A", "a-alias"] and f.workers["b"].models == []
+    reg.take_delta()
+    reg.report(WorkerReport(name="b", url="http://b", page_size=16, incarnation="i", healthy=True, ranks=rank,
+                            models=["B"]))  # attach mode: /v1/models answered later
+    d = reg.take_delta()
+    assert d is not None and [w.name for w in d.workers] == ["b"]
+    f.apply(decode_delta(encode_delta(d)))
+    assert f.workers["b"].models == ["B"]
+
+
+def test_fleet_entries_declare_their_models():
+    fleet = parse_fleet({"workers": [
+        {"name": "m", "engine": "sim", "model": "A", "replicas": 2},
+        {"name": "s", "engine": "sglang", "model": "/models/llama", "engine_args": {"served_model_name": "llama"}},
+        {"name": "x", "url": "http://127.0.0.1:1", "metrics_endpoint": "ipc:///tmp/x", "served_model_names": ["B", "b"]},
+        {"name": "y", "url": "http://127.0.0.1:2", "metrics_endpoint": "ipc:///tmp/y"},
+    ]})
+    assert [w.declared_models for w in fleet.expanded()] == [["A"], ["A"], ["llama"], ["B", "b"], []]
+    for bad in (["B", "B"], [""], [" B"]):
+        with pytest.raises(FleetError, match="served_model_names"):
+            parse_fleet({"workers": [{"name": "x", "url": "http://127.0.0.1:1", "metrics_endpoint": "ipc:///tmp/x",
+                                      "served_model_names": bad}]})
