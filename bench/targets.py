@@ -264,6 +264,7 @@ class BenchFleet:
                 "name": f"sim-{i}", "engine": "sim", "page_size": int(self.engine_args.get("page_size", 16)),
                 "url": f"http://127.0.0.1:{port}", "metrics_endpoint": f"ipc://{self.tmpdir}/sim-{i}.metrics",
                 "model": "kvroute-sim",
+                "served_model_names": ["kvroute-sim", "default"],  # the load generators ask for "default"
                 # every engine publishes SGLang KV events (kvroute's exact prefix mode reads them; the
                 # engine's timing is unchanged and the other targets ignore them)
                 **({"kv_events_endpoint": "auto"} if self.kv_events else {}),

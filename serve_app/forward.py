@@ -175,7 +175,7 @@ class Forwarder:
         if served:
             await send_json(send, 200, {"object": "list", "data": [
                 {"id": m, "object": "model", "created": 0, "owned_by": "kvroute",
-                 "workers": len(self.core.serving(m))} for m in served]})
+                 "workers": self.core.declaring(m)} for m in served]})
             return
         healthy = [r for r in workers.values() if r.state != "down" and r.healthy]
         random.shuffle(healthy)

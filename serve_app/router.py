@@ -96,7 +96,8 @@ class RouterCore:
         self._base: dict[str, WorkerView] = {}
         # per model: which workers serve it (a worker may serve several names: aliases)
         self._served: dict[str, tuple[str, ...]] = {}  # worker → its model names (absent: unknown)
-        self._by_model: dict[str, set[str]] = {}  # model name → workers serving it
+        self._by_model: dict[str, set[str]] = {}  # model name → workers declaring it
+        self._agnostic: set[str] = set()  # workers that declare no model: candidates for any
         self.fleet = FleetView()
         follower.on_update = self.on_fleet_update
         self._clock = clock
@@ -111,7 +112,7 @@ class RouterCore:
         `follower.workers` left the fleet): fleet view, ledger, prefix index, other replicas' counts."""
         for name in changed:
             rec = self.follower.workers.get(name)
-            self._index_models(name, tuple(rec.models) if rec is not None else ())
+            self._index_models(name, tuple(rec.models) if rec is not None else None)
             if rec is None:
                 if self.kv_follower is not None:
                     self.kv_follower.drop(name)
@@ -133,7 +134,15 @@ class RouterCore:
             self.fleet.update(self.ledger.apply(base))
             self.ledger.set_remote(name, rec.in_flight_by_replica)
 
-    def _index_models(self, worker: str, models: tuple[str, ...]) -> None:
+    def _index_models(self, worker: str, models: tuple[str, ...] | None) -> None:
+        """Index `worker`'s model names (None: it left the fleet; (): it declares none)."""
+        if models:
+            self._agnostic.discard(worker)
+        elif models is None:
+            self._agnostic.discard(worker)
+            models = ()
+        else:
+            self._agnostic.add(worker)
         old = self._served.get(worker, ())
         if old == models:
             return
@@ -158,7 +167,9 @@ class RouterCore:
         """The model a request is routed for: `name` if some worker serves it; with no name, the
         fleet's only model (every worker that declares models declares the same ones). None when
         no worker declares a model (a model-agnostic fleet: every worker may take every request).
-        Raises UnknownModel (no worker serves `name`), ModelRequired (no name, several models)."""
+        A worker that declares no model (no `model`/`served_model_names`, and its /v1/models gave
+        none) is model-agnostic: a candidate for every name, so an undeclared name goes to those.
+        Raises UnknownModel (nobody serves `name`), ModelRequired (no name, several models)."""
         if not self._by_model:
             return None
         if name is None:
@@ -167,13 +178,20 @@ class RouterCore:
                 return next(iter(groups))[0]
             raise ModelRequired(f"this fleet serves several models, name one in `model`: "
                                 f"{', '.join(self.served_models())}")
-        if name not in self._by_model:
+        if name not in self._by_model and not self._agnostic:
             raise UnknownModel(name, self.served_models())
         return name
 
     def serving(self, model: str) -> set[str]:
-        """The workers serving `model` (empty if none does)."""
-        return self._by_model.get(model, set())
+        """The workers a request for `model` may go to: those declaring it and the model-agnostic ones."""
+        declared = self._by_model.get(model)
+        if declared is None:
+            return set(self._agnostic)
+        return declared | self._agnostic if self._agnostic else declared
+
+    def declaring(self, model: str) -> int:
+        """How many workers declare `model`."""
+        return len(self._by_model.get(model, ()))
 
     def _prefix_keys(self, block_hashes: tuple[int, ...], model: str | None) -> tuple[int, ...]:
         """The approximate index's keys of a prompt's blocks: (model, block) when the fleet serves
@@ -233,7 +251,7 @@ class RouterCore:
         only the blocks the worker must still prefill."""
         policy = self.policy(policy_name)
         if model is not None:
-            serving = self._by_model.get(model, set())
+            serving = self.serving(model)
             if not serving - exclude:
                 raise NoWorkerAvailable(
                     f"no routable worker for model {model!r}: " + (

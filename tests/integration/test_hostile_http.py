@@ -50,7 +50,8 @@ def env(ray_cluster, serve_port, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("hostile-http")
     sims = [
-        SimProcess(SimConfig(port=free_port(), metrics_endpoint=f"ipc://{tmp}/s{i}.metrics", time_scale=0.02)).start()
+        SimProcess(SimConfig(port=free_port(), model_name="m", metrics_endpoint=f"ipc://{tmp}/s{i}.metrics",
+                             time_scale=0.02)).start()
         for i in range(2)
     ]
     fleet = parse_fleet({"workers": [

@@ -62,10 +62,10 @@ def chat(model: str | None, system: str, question: str = "q") -> dict:
 
 
 def test_misrouting_across_models_is_impossible_over_random_fleets_and_requests():
-    """Property: over random fleets (1-4 models, aliases, workers in every state, some serving
-    nothing known), random policies, prompts shared across models and random exclusions, a
-    request naming model M only ever lands on a worker serving M; NoWorkerAvailable only when no
-    live/idle worker serving M is left; a name nobody serves is UnknownModel."""
+    """Property: over random fleets (1-4 models, aliases, workers in every state, some declaring
+    no model), random policies, prompts shared across models and random exclusions, a request
+    naming model M only ever lands on a worker declaring M or declaring none; NoWorkerAvailable
+    only when no such live/idle worker is left; a name nobody may serve is UnknownModel."""
     rng = random.Random(19)
     routed = 0
     for trial in range(150):
@@ -79,31 +79,35 @@ def test_misrouting_across_models_is_impossible_over_random_fleets_and_requests(
             own = rng.sample(models, rng.randint(1, min(2, n_models)))
             if rng.random() < 0.3:
                 own.append(own[0] + "-alias")
+            if rng.random() < 0.1:
+                own = []  # declares nothing (attach mode, /v1/models not answered): model-agnostic
             state = rng.choice(["live", "live", "idle", "down"])
             put(core, clock, name, own, state=state, running=rng.randint(0, 8))
             serves[name], states[name] = set(own), state
         served = set().union(*serves.values())
+        agnostic = {w for w, ms in serves.items() if not ms}
         prompts = ["shared system prompt " * rng.randint(20, 200) for _ in range(3)]
         for j in range(40):
             clock.t += 0.01
-            model = rng.choice(sorted(served) + ["not-served"])
+            model = rng.choice(sorted(served) + ["not-served"]) if served else "not-served"
             policy = rng.choice(sorted(POLICIES))
             exclude = {w for w in serves if rng.random() < 0.2}
             body = chat(model, rng.choice(prompts), f"q{j}")
-            if model == "not-served":
+            if model == "not-served" and served and not agnostic:
                 with pytest.raises(UnknownModel) as err:
                     core.resolve_model(model)
                 assert err.value.served == sorted(served)
                 continue
             key = core.resolve_model(model)
-            assert key == model
-            candidates = {w for w, ms in serves.items() if model in ms and w not in exclude and states[w] != "down"}
+            assert key == (model if served else None)
+            candidates = {w for w, ms in serves.items()
+                          if (model in ms or not ms) and w not in exclude and states[w] != "down"}
             try:
                 ticket = core.route(core.facts(body), policy, exclude=exclude, model=key)
             except NoWorkerAvailable:
                 assert not candidates, (trial, j, model, policy, candidates)
                 continue
-            assert model in serves[ticket.worker], (trial, j, model, ticket.worker, serves)
+            assert model in serves[ticket.worker] or not serves[ticket.worker], (trial, j, model, ticket.worker)
             assert ticket.worker in candidates
             ticket.first_token()
             if rng.random() < 0.5:
@@ -145,6 +149,17 @@ def test_model_resolution_single_multi_unknown_and_model_agnostic_fleets():
     del multi.follower.workers["w1"]
     multi.on_fleet_update(["w1"])
     assert multi.served_models() == [] and multi.resolve_model("A") is None
+
+
+def test_a_worker_declaring_no_model_is_a_candidate_for_any_and_the_only_one_for_undeclared_names():
+    core, _ = make_core({"a0": ["A"], "b0": ["B"], "u": []})
+    assert core.resolve_model("other") == "other" and core.serving("other") == {"u"}
+    assert core.serving("A") == {"a0", "u"}
+    for i in range(20):
+        assert core.route(core.facts(chat("other", f"p{i} " * 40)), policy_name="round_robin", model="other").worker == "u"
+    assert {core.route(core.facts(chat("A", f"p{i} " * 40)), policy_name="round_robin", model="A").worker
+            for i in range(20)} == {"a0", "u"}
+    assert core.served_models() == ["A", "B"]  # /v1/models lists what is declared
 
 
 def test_every_serving_worker_excluded_is_a_clear_no_worker_error():
