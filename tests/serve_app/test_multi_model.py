@@ -247,3 +247,28 @@ def test_fleet_entries_declare_their_models():
         with pytest.raises(FleetError, match="served_model_names"):
             parse_fleet({"workers": [{"name": "x", "url": "http://127.0.0.1:1", "metrics_endpoint": "ipc:///tmp/x",
                                       "served_model_names": bad}]})
+
+
+def test_demo_models_splits_the_workers_between_the_models_and_status_shows_them():
+    from serve_app.cli import build_parser, demo_fleet
+    from serve_app.status import render
+
+    fleet = demo_fleet(4, tmpdir="/tmp/kvroute-test", models=["A", "B"])
+    assert [(w.name, w.declared_models) for w in fleet.workers] == [
+        ("sim-0", ["A"]), ("sim-1", ["B"]), ("sim-2", ["A"]), ("sim-3", ["B"])]
+    assert build_parser().parse_args(["demo", "--models", "A,B"]).models == "A,B"
+    assert all(w.declared_models == [] for w in demo_fleet(2, tmpdir="/tmp/kvroute-test").workers)
+    core, _ = make_core({"a0": ["A"], "b0": ["B", "b"]})
+    table = render(core.workers_json())
+    assert [c.header for c in table.columns][:2] == ["worker", "model"]
+    assert list(table.columns[1].cells) == ["A", "B, b"]
+    agnostic, _ = make_core({"w0": []})
+    assert "model" not in [c.header for c in render(agnostic.workers_json()).columns]
+
+
+def test_demo_refuses_bad_model_lists_before_starting_anything(capsys):
+    from serve_app.cli import build_parser, cmd_demo
+
+    for argv in (["demo", "--models", "A,A"], ["demo", "--models", "A,,B"], ["demo", "--workers", "1", "--models", "A,B"]):
+        assert cmd_demo(build_parser().parse_args(argv)) == 2
+    assert "--models" in capsys.readouterr().err
