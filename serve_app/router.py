@@ -10,6 +10,7 @@ import json
 import random
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any, Callable
 
 from actors.models import KV_METRICS_FIELDS
@@ -99,6 +100,11 @@ class RouterCore:
         self._by_model: dict[str, set[str]] = {}  # model name → workers declaring it
         self._agnostic: set[str] = set()  # workers that declare no model: candidates for any
         self.fleet = FleetView()
+        # per model group (a declared name; None: undeclared names → the model-agnostic workers): the
+        # workers a request may go to and their own FleetView (None: the whole fleet), kept in step
+        # with `fleet` by `_update_view`; rebuilt lazily after membership or models change
+        self._model_fleets: dict[str | None, tuple[frozenset[str], FleetView | None]] = {}
+        self._view_sink = SimpleNamespace(update=self._update_view)  # what `refresh_fleet` updates
         follower.on_update = self.on_fleet_update
         self._clock = clock
         self._request_ids = itertools.count()
@@ -112,7 +118,8 @@ class RouterCore:
         `follower.workers` left the fleet): fleet view, ledger, prefix index, other replicas' counts."""
         for name in changed:
             rec = self.follower.workers.get(name)
-            self._index_models(name, tuple(rec.models) if rec is not None else None)
+            if self._index_models(name, tuple(rec.models) if rec is not None else None) or name not in self._base:
+                self._model_fleets.clear()
             if rec is None:
                 if self.kv_follower is not None:
                     self.kv_follower.drop(name)
@@ -131,11 +138,21 @@ class RouterCore:
                 self.kv_follower.ensure(name, actor_name)
             base = base_view(rec, self.prefix.hot_blocks(name), self.prefix.reused_blocks(name))
             self._base[name] = base
-            self.fleet.update(self.ledger.apply(base))
+            self._update_view(self.ledger.apply(base))
             self.ledger.set_remote(name, rec.in_flight_by_replica)
 
-    def _index_models(self, worker: str, models: tuple[str, ...] | None) -> None:
-        """Index `worker`'s model names (None: it left the fleet; (): it declares none)."""
+    def _update_view(self, view: WorkerView) -> None:
+        """Put `view` into the fleet view and into the model groups' views that hold it."""
+        self.fleet.update(view)
+        for names, fleet in self._model_fleets.values():
+            if fleet is not None and view.name in names:
+                fleet.update(view)
+
+    def _index_models(self, worker: str, models: tuple[str, ...] | None) -> bool:
+        """Index `worker`'s model names (None: it left the fleet; (): it declares none). True if
+        anything changed."""
+        agnostic = worker in self._agnostic
+        gone = models is None
         if models:
             self._agnostic.discard(worker)
         elif models is None:
@@ -145,7 +162,7 @@ class RouterCore:
             self._agnostic.add(worker)
         old = self._served.get(worker, ())
         if old == models:
-            return
+            return gone or agnostic != (worker in self._agnostic)
         for m in old:
             ws = self._by_model.get(m)
             if ws is not None:
@@ -158,6 +175,7 @@ class RouterCore:
             self._served[worker] = models
         else:
             self._served.pop(worker, None)
+        return True
 
     def served_models(self) -> list[str]:
         """Every model name the fleet serves (aliases included), sorted."""
@@ -219,8 +237,20 @@ class RouterCore:
             for name in hot:
                 self._base[name] = replace(self._base[name], hot_blocks=self.prefix.hot_blocks(name),
                                            reused_blocks=self.prefix.reused_blocks(name))
-        refresh_fleet(self.fleet, self._base, self.ledger, also=hot)
+        refresh_fleet(self._view_sink, self._base, self.ledger, also=hot)  # type: ignore[arg-type]
         return self.fleet
+
+    def _model_group(self, model: str) -> tuple[frozenset[str], FleetView]:
+        """The workers a request for `model` may go to, and the fleet view of just them (call after
+        `views()`; the whole fleet's view when they are all of it)."""
+        group = model if model in self._by_model else None
+        hit = self._model_fleets.get(group)
+        if hit is None:
+            names = frozenset(self.serving(model))
+            whole = len(names) == len(self.fleet) and all(v.name in names for v in self.fleet)
+            hit = self._model_fleets[group] = (names, None if whole else
+                                               FleetView([v for v in self.fleet if v.name in names]))
+        return hit[0], hit[1] if hit[1] is not None else self.fleet
 
     # --- decisions ----------------------------------------------------------------------------
 
@@ -250,15 +280,6 @@ class RouterCore:
         the prefix overlap it was decided on — pass that one to `on_routed`, so the ledger charges
         only the blocks the worker must still prefill."""
         policy = self.policy(policy_name)
-        if model is not None:
-            serving = self.serving(model)
-            if not serving - exclude:
-                raise NoWorkerAvailable(
-                    f"no routable worker for model {model!r}: " + (
-                        f"all {len(serving)} serving it are excluded for this request (already tried, or circuit "
-                        f"breaker open)" if serving else "no worker serves it any more"))
-            if len(serving) < len(self._base):  # the other models' workers are not candidates
-                exclude = set(exclude) | (self._base.keys() - serving)
         if request.block_hashes:
             overlap = self.prefix.overlap(self._prefix_keys(request.block_hashes, model))
             synced = self.kv_follower.synced if self.kv_follower is not None else ()
@@ -267,6 +288,13 @@ class RouterCore:
                 overlap = overlap.override({w: exact.get(w, 0) for w in synced})
             request = request.with_overlap(overlap)
         fleet = self.views()
+        if model is not None:  # only the workers of the model are candidates: the policy sees just them
+            serving, fleet = self._model_group(model)
+            if not serving or (exclude and serving <= exclude):
+                raise NoWorkerAvailable(
+                    f"no routable worker for model {model!r}: " + (
+                        f"all {len(serving)} serving it are excluded for this request (already tried, or circuit "
+                        f"breaker open)" if serving else "no worker serves it any more"))
         if not exclude:
             decision = policy.choose(request, fleet, self.rng)
         else:

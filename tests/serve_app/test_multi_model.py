@@ -89,6 +89,18 @@ def test_misrouting_across_models_is_impossible_over_random_fleets_and_requests(
         prompts = ["shared system prompt " * rng.randint(20, 200) for _ in range(3)]
         for j in range(40):
             clock.t += 0.01
+            if rng.random() < 0.15:  # a worker changes state or models (or leaves) between requests
+                name = rng.choice(sorted(serves))
+                if rng.random() < 0.2 and len(serves) > 1:
+                    del core.follower.workers[name], serves[name], states[name]
+                    core.on_fleet_update([name])
+                else:
+                    own = rng.sample(models, 1) if rng.random() < 0.5 else sorted(serves[name])
+                    states[name] = rng.choice(["live", "idle", "down"])
+                    put(core, clock, name, own, state=states[name], running=rng.randint(0, 8))
+                    serves[name] = set(own)
+                served = set().union(*serves.values())
+                agnostic = {w for w, ms in serves.items() if not ms}
             model = rng.choice(sorted(served) + ["not-served"]) if served else "not-served"
             policy = rng.choice(sorted(POLICIES))
             exclude = {w for w in serves if rng.random() < 0.2}
