@@ -40,7 +40,11 @@ class _FleetCollector(Collector):
             "(exact prefix mode is blind for it: check which side binds --kv-events-config)", labels=["worker"])
         batches = CounterMetricFamily("kvroute_worker_kv_event_batches", "KV-event batches the worker's actor "
                                       "received (as of its last report)", labels=["worker"])
+        model = GaugeMetricFamily("kvroute_worker_model", "1 for each model name the worker serves (join on worker; "
+                                  "none for a worker that declares no model)", labels=["worker", "model"])
         for rec in self.core.follower.workers.values():
+            for name in rec.models:
+                model.add_metric([rec.name, name], 1.0)
             kv_info = rec.kv_events
             if kv_info is not None:
                 silent.add_metric([rec.name], 1.0 if kv_info.status == "silent" else 0.0)
@@ -61,7 +65,7 @@ class _FleetCollector(Collector):
         tok = CounterMetricFamily("kvroute_tokenize_failures", "Prompts the configured tokenizer or chat "
                                   "template refused (routed with approximate prefix affinity)")
         tok.add_metric([], self.core.tokenize_failures)
-        yield from (running, waiting, kv, inflight, state, breaker, snap, up, tok, silent, batches)
+        yield from (running, waiting, kv, inflight, state, breaker, snap, up, tok, silent, batches, model)
 
 
 class RouterMetrics:

@@ -223,10 +223,14 @@ def test_v1_models_is_the_union_of_the_fleet_answered_without_an_upstream_call()
                                                                           ("b-alias", "model", 1)]
 
 
-def test_workers_json_and_healthz_show_each_workers_models():
-    core, _ = make_core({"a0": ["A"], "b0": ["B"]})
-    assert {w["name"]: w["models"] for w in core.workers_json()["workers"]} == {"a0": ["A"], "b0": ["B"]}
-    assert core.healthz()["models"] == ["A", "B"]
+def test_workers_json_healthz_and_prometheus_show_each_workers_models():
+    core, _ = make_core({"a0": ["A"], "b0": ["B", "b"], "u": []})
+    assert {w["name"]: w["models"] for w in core.workers_json()["workers"]} == {"a0": ["A"], "b0": ["B", "b"], "u": []}
+    assert core.healthz()["models"] == ["A", "B", "b"]
+    text = RouterMetrics(core, Breakers(core.config.breaker)).render().decode()
+    lines = sorted(line for line in text.splitlines() if line.startswith("kvroute_worker_model{"))
+    assert lines == ['kvroute_worker_model{model="A",worker="a0"} 1.0', 'kvroute_worker_model{model="B",worker="b0"} 1.0',
+                     'kvroute_worker_model{model="b",worker="b0"} 1.0']
 
 
 def test_the_models_travel_from_the_report_through_the_registry_and_delta_to_the_follower():
