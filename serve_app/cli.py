@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -183,7 +184,7 @@ def _run(fleet: FleetSpec, ns: argparse.Namespace, *, live_table: bool) -> int:
     except KeyboardInterrupt:
         runner.stop()
         return 130
-    _print_banner(url, router)
+    _print_banner(url, router, sorted({m for w in fleet.expanded() for m in w.declared_models}))
     table = None
     if live_table:
         from serve_app.status import LiveTable
@@ -200,17 +201,21 @@ def _run(fleet: FleetSpec, ns: argparse.Namespace, *, live_table: bool) -> int:
     return 0
 
 
-def _print_banner(url: str, router: RouterConfig) -> None:
+def _print_banner(url: str, router: RouterConfig, models: list[str] | None = None) -> None:
     auth = ' -H "Authorization: Bearer $KVROUTE_API_KEY"' if router.api_key else ""
+    model = models[0] if models else "default"  # a fleet that declares models answers other names with 404
     print(f"\nkvroute is listening on {url}  (policy {router.policy}; Ctrl-C to stop)\n")
+    if models:
+        print(f"  models: {', '.join(models)}")
     print("  curl:")
     print(f"    curl -s {url}/v1/chat/completions{auth} -H 'content-type: application/json' \\")
-    print("      -d '{\"model\": \"default\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"max_tokens\": 16}'")
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16})
+    print(f"      -d '{body}'")
     print("  openai SDK:")
     print("    from openai import OpenAI")
     key = "os.environ['KVROUTE_API_KEY']" if router.api_key else "'unused'"
     print(f"    client = OpenAI(base_url='{url}/v1', api_key={key})")
-    print("    client.chat.completions.create(model='default', messages=[{'role': 'user', 'content': 'Hello'}])")
+    print(f"    client.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hello'}}])")
     print(f"  workers: {url}/workers   health: {url}/healthz   status: kvroute status --url {url}\n", flush=True)
 
 

@@ -288,3 +288,13 @@ def test_demo_refuses_bad_model_lists_before_starting_anything(capsys):
     for argv in (["demo", "--models", "A,A"], ["demo", "--models", "A,,B"], ["demo", "--workers", "1", "--models", "A,B"]):
         assert cmd_demo(build_parser().parse_args(argv)) == 2
     assert "--models" in capsys.readouterr().err
+
+
+def test_the_demo_banner_names_a_model_the_fleet_serves(capsys):
+    from serve_app.cli import _print_banner
+
+    _print_banner("http://127.0.0.1:1", RouterConfig(), ["A", "B"])
+    out = capsys.readouterr().out
+    assert "models: A, B" in out and '"model": "A"' in out and "model='A'" in out and "default" not in out
+    _print_banner("http://127.0.0.1:1", RouterConfig())  # a model-agnostic demo: any name works
+    assert '"model": "default"' in capsys.readouterr().out
