@@ -148,7 +148,9 @@ def _kv(env) -> dict:
     import msgspec
 
     kv = ray.get(env["actors"]["sg"].stats.remote()).kv_events  # a typed KvEventsCounters
-    return {**msgspec.structs.asdict(kv), "batches": kv.subscription.batches}
+    sub = kv.subscription  # a typed KvEventsStatus
+    return {**msgspec.structs.asdict(kv), "batches": sub.batches, "status": sub.status,
+            "handshake": [msgspec.structs.asdict(side) for side in sub.handshake]}
 
 
 def _prime(env) -> None:
