@@ -52,7 +52,7 @@ class KvRouter:
         app_args = AppArgs.model_validate(args)
         self.config: RouterConfig = app_args.router.with_env()
         fleet = app_args.fleet_spec()
-        self.settings: Settings = fleet.settings if fleet else Settings()
+        self.settings: Settings = app_args.plane_settings()
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:

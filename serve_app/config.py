@@ -298,6 +298,24 @@ class AppArgs(BaseModel):
     manage_fleet: bool = Field(
         True, description="router replicas make sure every fleet worker has its (detached) actor"
     )
+    settings: Settings | None = Field(
+        None, description="the metrics plane's settings when no `fleet` is given (workers added at run "
+                          "time); with a fleet they go in the fleet's own `settings`"
+    )
+
+    @model_validator(mode="after")
+    def _one_settings(self) -> "AppArgs":
+        if self.settings is not None and self.fleet is not None:
+            raise ValueError("args.settings is only for a deployment without args.fleet: "
+                             "put the settings in the fleet's `settings` instead")
+        return self
+
+    def plane_settings(self) -> Settings:
+        """The metrics plane's settings: the fleet's, else `settings`, else the defaults."""
+        fleet = self.fleet_spec()
+        if fleet is not None:
+            return fleet.settings
+        return self.settings or Settings()
 
     def fleet_spec(self) -> FleetSpec | None:
         """The fleet (its file read now). Raises FleetError if the file is invalid or sets `router`."""

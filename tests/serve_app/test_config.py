@@ -178,3 +178,13 @@ def test_every_fleet_file_in_the_examples_and_docs_is_a_valid_config():
                 found.append(f"{p.name}#{i}")
                 parse_config(raw, f"{p.name}#{i}")
     assert "configuration.md#0" in found and "fleet-sim.yaml" in found
+
+
+def test_serve_args_without_a_fleet_can_still_set_the_metrics_plane_settings():
+    from serve_app.config import AppArgs
+
+    args = AppArgs.model_validate({"settings": {"heartbeat_s": 0.7}})
+    assert args.fleet_spec() is None and args.plane_settings().heartbeat_s == 0.7
+    assert AppArgs.model_validate({}).plane_settings() == AppArgs.model_validate({}).plane_settings().__class__()
+    with pytest.raises(ValueError, match="only for a deployment without args.fleet"):
+        AppArgs.model_validate({"settings": {"heartbeat_s": 0.7}, "fleet": {"workers": WORKERS}})
