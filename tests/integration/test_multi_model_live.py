@@ -23,6 +23,7 @@ def env(ray_cluster, serve_port, tmp_path_factory):
     import ray
     from ray import serve
 
+    from actors.aggregator import get_or_create_aggregator
     from actors.worker_actor import start_worker_actor
     from serve_app.app import build_app
 
@@ -54,6 +55,9 @@ def env(ray_cluster, serve_port, tmp_path_factory):
     for a in actors.values():
         ray.kill(a, no_restart=True)
     attached.stop()
+    # the actors deregister best effort (0.5 s); modules after this one expect an empty shared fleet
+    agg = get_or_create_aggregator(fleet.settings)
+    ray.get([agg.remove.remote(n) for n in mine], timeout=30)
 
 
 def chat(model: str, content: str) -> dict:
