@@ -95,7 +95,8 @@ def test_a_late_subscriber_replays_what_the_engine_cached_before_it_existed(env)
                                                                         address=f"tcp://127.0.0.1:{port}")
     assert stats.kv_events.subscription.status == "ok" and stats.kv_events.refused == {}
     # the first prompt (cached before the actor existed) routes by exact overlap to 'late'
+    model = env["sim"].config.model_name  # what 'late' serves (its /v1/models): the request must name it
     d = wait_for(lambda: (x := env["client"].post("/route", json={
-        "model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": PROMPT}]}).json())["worker"] == "late"
+        "model": model, "max_tokens": 2, "messages": [{"role": "user", "content": PROMPT}]}).json())["worker"] == "late"
         and "overlap=" in x["reason"] and x, 10, what="route by replayed blocks")
     assert int(d["reason"].split("overlap=")[1].split("/")[0]) >= 10
