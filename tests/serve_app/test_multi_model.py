@@ -23,18 +23,8 @@ from serve_app.http import HttpError
 from serve_app.metrics import RouterMetrics
 from serve_app.policies import POLICIES, NoWorkerAvailable
 from serve_app.router import ModelRequired, RouterCore, UnknownModel
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-async def _unused() -> Any:
-    raise AssertionError("not following an aggregator here")
+from tests.serve_app.support import Clock
+from tests.serve_app.support import unused_aggregator as _unused
 
 
 def put(core: RouterCore, clock: Clock, name: str, models: list[str], state: str = "live", running: int = 0) -> None:

@@ -8,18 +8,8 @@ from typing import Any
 from serve_app.config import RouterConfig
 from serve_app.follower import FleetFollower, WorkerRecord
 from serve_app.router import RouterCore
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-async def _unused() -> Any:
-    raise AssertionError("not following an aggregator here")
+from tests.serve_app.support import Clock
+from tests.serve_app.support import unused_aggregator as _unused
 
 
 def make_core(n: int, *, kv_total_pages: int = 4096, **router: Any) -> tuple[RouterCore, Clock]:
