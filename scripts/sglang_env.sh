@@ -33,8 +33,11 @@ case "$RELEASE" in
 esac
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$RELEASE $(sha1sum "$0" | cut -c1-12)" ]; then
-  # cached: point the editable kvroute at this checkout (a CI clone lives elsewhere than the last one)
-  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -e . >/dev/null
+  # cached: point the editable kvroute at this checkout (a CI clone lives elsewhere than the last
+  # one) and add what its `test` extra gained since the venv was built (torch stays pinned)
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -c "$ROOT/constraints.txt" \
+    -e ".[test]" >/dev/null 2>&1 \
+    || { echo "sglang env $RELEASE: installing kvroute[test] into the cached venv failed" >&2; exit 1; }
   echo "$VENV"
   exit 0
 fi
