@@ -77,6 +77,11 @@ class WorkerSpec(BaseModel):
     kv_events_replay_endpoint: str | None = Field(
         None, description="SGLang's replay_endpoint (a ROUTER SGLang binds); kvroute asks it for lost batches"
     )
+    dp_size: int = Field(
+        1, ge=1, le=1024, description="attention-DP ranks of the engine (SGLang --dp-size with "
+        "--enable-dp-attention): each rank is a routing target, and the forwarded request pins the chosen one "
+        "(`data_parallel_rank`); managed mode passes --dp-size to the engine",
+    )
     replicas: int = Field(1, ge=1, le=1024, description="expand into name-0 … name-(n-1)")
     num_gpus: float = Field(0, ge=0, description="GPUs the worker actor requests (= the engine's tp_size)")
     num_cpus: float = Field(0, ge=0, description="CPUs the worker actor requests")
@@ -136,6 +141,10 @@ class WorkerSpec(BaseModel):
                 raise ValueError("replicas needs managed mode (engine: sim|sglang)")
         if self.kv_events_endpoint == "auto" and self.engine is None:
             raise ValueError("kv_events_endpoint: auto needs managed mode (engine: sim|sglang)")
+        given = self.engine_args.get("dp_size")
+        if given is not None and given != self.dp_size:
+            raise ValueError(f"engine_args.dp_size={given!r}: set the entry's dp_size instead (it is {self.dp_size}; "
+                             "the router must know the ranks to route to them)")
         if self.engine == "sglang" and not self.model:
             raise ValueError("engine: sglang needs model (a model path or name)")
         if self.kv_events_endpoint not in (None, "auto"):
@@ -153,7 +162,7 @@ class WorkerSpec(BaseModel):
     def kv_event_ranks(self) -> int:
         """KV-event publishers of this engine: one per DP rank, on port base + rank (SGLang 0.5.23 counts
         attention-DP ranks, or DP replicas without DP-attention; older releases only attention-DP ranks)."""
-        return max(1, int(self.engine_args.get("dp_size", 1) or 1))
+        return self.dp_size
 
     @property
     def declared_models(self) -> list[str]:

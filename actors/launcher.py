@@ -91,9 +91,11 @@ def build_command(spec: WorkerSpec, *, host: str, port: int, metrics_endpoint: s
         ]
         if spec.model:
             cmd += ["--model-name", spec.model]
+        if spec.dp_size > 1:
+            cmd += ["--dp-size", str(spec.dp_size)]
         if spec.kv_events_endpoint:  # the same config SGLang gets; the sim binds or connects as its --wire release
             cmd += ["--kv-events-config", json.dumps(kv_events_config(spec, host))]
-        return cmd + _flags(spec.engine_args), {}
+        return cmd + _flags({k: v for k, v in spec.engine_args.items() if k != "dp_size"}), {}
     if spec.engine == "sglang":
         cmd = [
             sys.executable, "-m", "actors.sglang_launch", "--model-path", str(spec.model),
@@ -101,7 +103,9 @@ def build_command(spec: WorkerSpec, *, host: str, port: int, metrics_endpoint: s
         ]
         # KvMetrics are only sent with --kv-events-config set (SGLang ≥ 0.5.3), even if we do not subscribe
         cmd += ["--kv-events-config", json.dumps(kv_events_config(spec, host))]
-        return cmd + _flags(spec.engine_args), {SGLANG_METRICS_ENV: metrics_endpoint}
+        if spec.dp_size > 1:  # DP attention is the user's choice (engine_args.enable_dp_attention)
+            cmd += ["--dp-size", str(spec.dp_size)]
+        return cmd + _flags({k: v for k, v in spec.engine_args.items() if k != "dp_size"}), {SGLANG_METRICS_ENV: metrics_endpoint}
     raise LaunchError(f"worker {spec.name}: no engine to launch (attach mode)")
 
 

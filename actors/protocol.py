@@ -112,6 +112,7 @@ class WorkerReport(msgspec.Struct, array_like=True, frozen=True):
     kv_events_actor: Name | None = None  # the Ray actor (in NAMESPACE) whose `kv_since` routers follow
     kv_events: KvEventsStatus | None = None
     models: Annotated[list[Name], msgspec.Meta(max_length=64)] = []  # the model names it serves ([] = unknown)
+    dp_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1  # attention-DP ranks (the fleet entry's dp_size)
 
 
 class ReportBatch(msgspec.Struct, tag="r", array_like=True, frozen=True):
@@ -150,6 +151,7 @@ class WorkerUpdate(msgspec.Struct, array_like=True, frozen=True):
     kv_events_actor: str | None = None
     kv_events: KvEventsStatus | None = None
     models: list[str] = []  # the model names it serves ([] = unknown)
+    dp_size: int = 1  # attention-DP ranks: each is a routing target of its own when > 1
 
 
 class MetricsUpdate(msgspec.Struct, array_like=True, frozen=True):

@@ -413,7 +413,8 @@ class WorkerActor:
                             healthy=self.healthy, health_detail=self.health_detail, ranks=ranks,
                             managed=self.proc.status.report() if self.proc else None,
                             kv_events_actor=self._actor_name() if kv else None,
-                            kv_events=self._kv_info() if kv else None, models=self.models)
+                            kv_events=self._kv_info() if kv else None, models=self.models,
+                            dp_size=self.spec.dp_size)
 
     def _actor_name(self) -> str:
         if self._own_name is None:

@@ -152,7 +152,8 @@ class KvRouter:
         except NoWorkerAvailable as exc:
             raise HttpError(503, str(exc), code="no_worker", headers={"retry-after": "1"}) from None
         rec = self.follower.workers.get(d.worker)
-        await send_json(send, 200, {"worker": d.worker, "url": d.url, "policy": d.policy, "reason": d.reason,
+        await send_json(send, 200, {"worker": d.worker, "rank": d.rank, "url": d.url, "policy": d.policy,
+                                    "reason": d.reason,
                                     "model": model, "models": rec.models if rec is not None else []})
 
     def _proxy_route(self, path: str) -> Handler:

@@ -49,6 +49,8 @@ class WorkerRecord(msgspec.Struct, kw_only=True):
     kv_events_actor: str | None = None  # the worker actor to follow for KV events (exact prefix mode)
     kv_events: KvEventsStatus | None = None
     models: list[str] = []  # the model names the worker serves ([] = unknown)
+    dp_size: int = 1  # attention-DP ranks (the fleet entry's dp_size): > 1 → one routing target per rank
+    rank_at: dict[int, float] = {}  # local monotonic time of each rank's newest frame
 
     def managed_view(self) -> dict[str, Any] | None:
         """What /workers shows as `managed`: the engine process, and the KV-event subscription."""
@@ -137,7 +139,7 @@ class FleetFollower:
                 ranks=ranks, metrics_at=None if age is None else now - age, heartbeat_at=now - w.heartbeat_age_s,
                 updated_at=wall, in_flight_by_replica=w.in_flight_by_replica,  # freshly decoded: ours to keep
                 managed=w.managed, kv_events_actor=w.kv_events_actor, kv_events=w.kv_events,
-                models=w.models,
+                models=w.models, dp_size=w.dp_size, rank_at=_rank_times(w.ranks, None if age is None else now - age),
             )
             changed.append(w.name)
         for u in delta.metrics:  # ranks alone changed: update the record we hold in place
@@ -148,6 +150,7 @@ class FleetFollower:
             rec.ranks = ranks
             rec.metrics = dict(ranks[0]) if len(ranks) == 1 else sum_ranks(ranks)
             rec.metrics_at = now - u.metrics_age_s
+            rec.rank_at = _rank_times(u.ranks, rec.metrics_at)
             rec.updated_at = wall
             changed.append(u.name)
         if delta.names is not None:
@@ -263,6 +266,15 @@ class FleetFollower:
     def _changed(self, changed: list[str]) -> None:
         if changed and self.on_update is not None:
             self.on_update(changed)
+
+
+def _rank_times(ranks: list[Any], newest_at: float | None) -> dict[int, float]:
+    """Each rank's newest frame time (local clock): `newest_at` is the newest rank's; the others are
+    older by the difference of their ages in the worker actor's report."""
+    if newest_at is None or len(ranks) < 2:
+        return {} if newest_at is None else {r.data_parallel_rank: newest_at for r in ranks}
+    youngest = min(r.age_s for r in ranks)
+    return {r.data_parallel_rank: newest_at - (r.age_s - youngest) for r in ranks}
 
 
 def _node_ip() -> str | None:

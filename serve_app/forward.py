@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator
 
 from serve_app.breaker import Breakers
 from serve_app.config import RouterConfig
+from serve_app.dp_ranks import pinned_body, pinned_headers
 from serve_app.http import HttpError, Request, Send, send_body, send_json, send_stream
 from serve_app.metrics import RouterMetrics
 from serve_app.policies import NoWorkerAvailable, UnknownPolicy
@@ -28,6 +29,7 @@ logger = logging.getLogger("kvroute.router")
 
 POLICY_HEADER = "x-kvroute-policy"
 WORKER_HEADER = "x-kvroute-worker"
+RANK_HEADER = "x-kvroute-rank"  # the attention-DP rank that served the request (DP workers only)
 
 
 class Forwarder:
@@ -83,15 +85,19 @@ class Forwarder:
             m.decision_seconds.observe(t0 - t_decide)
             d, facts = ticket.decision, ticket.request
             self.breakers.on_dispatch(d.worker)
+            content, hdrs = raw, headers
+            if d.rank is not None:  # a DP worker: pin the rank the ledger booked (serve_app.dp_ranks)
+                content, hdrs = pinned_body(body, d.rank), pinned_headers(headers)
             try:
-                up = await self.upstream.open(d.worker, "POST", d.url + path, content=raw, headers=headers)
+                up = await self.upstream.open(d.worker, "POST", d.url + path, content=content, headers=hdrs)
             except UpstreamError as exc:
                 self._failed(ticket, exc.counts_for_breaker)
                 tried.add(d.worker)
                 failures.append(str(exc))
                 retry_after = exc.retry_after or retry_after
                 m.retries.labels(d.worker).inc()
-                logger.info("attempt %d on %s failed before first byte: %s", attempt + 1, d.worker, exc)
+                logger.info("attempt %d on %s%s failed before first byte: %s", attempt + 1, d.worker,
+                            "" if d.rank is None else f" rank {d.rank}", exc)
                 await asyncio.sleep(min(0.5, 0.02 * (2**attempt)) * random.uniform(0.5, 1.5))
                 continue
             except asyncio.CancelledError:  # client went away before the worker answered
@@ -99,6 +105,8 @@ class Forwarder:
                 raise
             out_headers = up.headers()
             out_headers[WORKER_HEADER] = d.worker
+            if d.rank is not None:
+                out_headers[RANK_HEADER] = str(d.rank)
             if not stream:
                 try:
                     content = await up.read()
@@ -140,7 +148,8 @@ class Forwarder:
         self.metrics.duration_seconds.labels(worker).observe(time.perf_counter() - t0)
         self.metrics.requests.labels(policy, worker, "ok" if status < 400 else f"http_{status}").inc()
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("routed to %s (%s), answered %d in %.1f ms", worker, ticket.decision.reason, status,
+            logger.debug("routed to %s (%s), answered %d in %.1f ms", ticket.decision.target or worker,
+                         ticket.decision.reason, status,
                          (time.perf_counter() - t0) * 1e3)
 
     async def _relay(self, up: Upstream, ticket: RequestTicket, t0: float, policy: str) -> AsyncIterator[bytes]:

@@ -254,7 +254,7 @@ class Ledger:
         if idle:
             return WorkerView(v.name, v.url, v.state, v.page_size, 0, v.total_slots, 0, 0,
                               v.kv_total_blocks, *lv[:5], v.hot_blocks, lv.recent_finished,
-                              v.reused_blocks, lv.last_routed_at, lv.prefilling)
+                              v.reused_blocks, lv.last_routed_at, lv.prefilling, v.worker, v.rank)
         running, waiting, kv = v.running, v.waiting, v.kv_active_blocks
         if lv.finished:  # ended since the report: out of its running (then waiting) and KV figures
             gone = lv.finished
@@ -266,7 +266,7 @@ class Ledger:
             waiting = max(0, waiting - lv.prefilling_reported)
         return WorkerView(v.name, v.url, v.state, v.page_size, running, v.total_slots, waiting,
                           kv, v.kv_total_blocks, *lv[:5], v.hot_blocks, lv.recent_finished,
-                          v.reused_blocks, lv.last_routed_at, lv.prefilling)
+                          v.reused_blocks, lv.last_routed_at, lv.prefilling, v.worker, v.rank)
 
     def take_dirty(self) -> set[str]:
         """Workers whose ledger figures changed since the last call (rebuild only their views)."""

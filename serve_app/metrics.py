@@ -53,7 +53,7 @@ class _FleetCollector(Collector):
             running.add_metric([rec.name], m.get("request_active_slots", 0))
             waiting.add_metric([rec.name], m.get("num_requests_waiting", 0))
             kv.add_metric([rec.name], m.get("gpu_cache_usage_perc", 0.0))
-            inflight.add_metric([rec.name], self.core.ledger.in_flight(rec.name))
+            inflight.add_metric([rec.name], self.core.in_flight(rec.name))
             for s in _STATES:
                 state.add_metric([rec.name, s], 1.0 if rec.state == s else 0.0)
             breaker.add_metric([rec.name], STATE_CODE[self.breakers.state(rec.name)])

@@ -295,8 +295,12 @@ class KvEventIndex:
         *,
         hasher: BlockHasher | None = None,
         max_blocks_per_source: int = 4_000_000,
+        holder_of: Callable[[str, int], str] | None = None,
     ) -> None:
+        """`holder_of(worker, rank)` names the holder a rank's blocks count for (default: the worker;
+        the router gives each attention-DP rank of a DP worker its own, `policies.base.target_name`)."""
         self.block_tokens = block_tokens
+        self._holder_of = holder_of or (lambda worker, rank: worker)
         self._hash = hasher or default_block_hash
         self.max_blocks_per_source = max_blocks_per_source
         # own hash → {worker: number of (rank, engine hash) entries holding it}
@@ -313,14 +317,15 @@ class KvEventIndex:
         src = self._sources.get((worker, rank))
         if src is None:
             src = self._sources[(worker, rank)] = {}
+        holder = self._holder_of(worker, rank)
         for ev in events:
             if isinstance(ev, BlockStored):
-                self._stored(worker, src, ev)
+                self._stored(holder, src, ev)
             elif isinstance(ev, BlockRemoved):
                 for eh in ev.block_hashes:
                     own = src.pop(eh, None)
                     if own is not None:
-                        self._drop(worker, own)
+                        self._drop(holder, own)
             elif isinstance(ev, AllBlocksCleared):
                 self.clear(worker, rank)
 
@@ -374,8 +379,9 @@ class KvEventIndex:
         """Drop what `worker` (one rank, or all its ranks) holds: cleared cache, gap, or restart."""
         keys = [k for k in self._sources if k[0] == worker and (rank is None or k[1] == rank)]
         for k in keys:
+            holder = self._holder_of(*k)
             for own in self._sources.pop(k).values():
-                self._drop(worker, own)
+                self._drop(holder, own)
 
     def remove_worker(self, worker: str) -> None:
         self.clear(worker)

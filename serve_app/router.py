@@ -18,7 +18,7 @@ from serve_app.config import RouterConfig
 from serve_app.follower import FleetFollower, WorkerRecord
 from serve_app.ledger import Ledger, refresh_fleet
 from serve_app.policies import POLICIES, Decision, RouteRequest, WorkerView, get_policy
-from serve_app.policies.base import NoWorkerAvailable
+from serve_app.policies.base import NoWorkerAvailable, target_name
 from serve_app.policies.kv_aware import KvAware
 from serve_app.policies.fleet import FleetView
 from serve_app.kv_follower import KvFollower
@@ -46,12 +46,16 @@ class ModelRequired(ValueError):
     """A request without `model` on a fleet that serves several (→ 400)."""
 
 
-def base_view(rec: WorkerRecord, hot_blocks: int = 0, reused_blocks: int = 0) -> WorkerView:
-    """A worker as its last report shows it, with the prefix index's hot (and of those, reused)
-    blocks (the ledger adds its own figures on top)."""
-    m = rec.metrics or {}
+def base_view(rec: WorkerRecord, hot_blocks: int = 0, reused_blocks: int = 0, rank: int | None = None,
+              metrics: dict[str, Any] | None = None) -> WorkerView:
+    """A worker (or, `rank` given, one attention-DP rank of it with that rank's `metrics`) as its last
+    report shows it, with the prefix index's hot (and of those, reused) blocks (the ledger adds its
+    own figures on top)."""
+    m = (rec.metrics if rank is None else metrics) or {}
     return WorkerView(
-        name=rec.name,
+        name=target_name(rec.name, rank),
+        worker="" if rank is None else rec.name,
+        rank=rank,
         url=rec.url,
         state=rec.state,
         page_size=rec.page_size,
@@ -85,7 +89,8 @@ class RouterCore:
         self.rng = random.Random(config.seed)
         self.ledger = Ledger(config.ledger, replica_id=replica_id, block_tokens=config.block_size, clock=clock)
         self.prefix = PrefixIndex(**config.prefix_index.approximate_kwargs(), clock=clock)
-        self.exact = KvEventIndex(config.block_size, max_blocks_per_source=config.prefix_index.max_blocks_per_source)
+        self.exact = KvEventIndex(config.block_size, max_blocks_per_source=config.prefix_index.max_blocks_per_source,
+                                  holder_of=self._holder_of)
         self.kv_follower: KvFollower | None = kv_follower(self.exact) if kv_follower is not None else None
         self.facts_config = config.facts_config()
         self.tokenizer = load_tokenizer(config.tokenizer)  # TokenizerError at start, not per request
@@ -94,7 +99,9 @@ class RouterCore:
         get_policy(self.default_policy)  # unknown default → error at start, not per request
         self._policies = {name: get_policy(name) for name in POLICIES}
         self._policies["kv_aware"] = KvAware(config.kv_aware)
-        self._base: dict[str, WorkerView] = {}
+        self._base: dict[str, WorkerView] = {}  # routing target (a worker, or a DP rank of one) → view
+        # worker → its routing targets: (name,) without DP ranks, else one `target_name` per rank
+        self._targets: dict[str, tuple[str, ...]] = {}
         # per model: which workers serve it (a worker may serve several names: aliases)
         self._served: dict[str, tuple[str, ...]] = {}  # worker → its model names (absent: unknown)
         self._by_model: dict[str, set[str]] = {}  # model name → workers declaring it
@@ -118,34 +125,73 @@ class RouterCore:
         `follower.workers` left the fleet): fleet view, ledger, prefix index, other replicas' counts."""
         for name in changed:
             rec = self.follower.workers.get(name)
-            if self._index_models(name, tuple(rec.models) if rec is not None else None) or name not in self._base:
+            targets = None if rec is None else _targets_of(rec)
+            old = self._targets.get(name)
+            if self._index_models(name, tuple(rec.models) if rec is not None else None) or old != targets:
                 self._model_fleets.clear()
+            if rec is None and self.kv_follower is not None:
+                self.kv_follower.drop(name)
+            for gone in old or ():  # left the fleet, or its ranks changed
+                if targets is None or gone not in targets:
+                    self._drop_target(gone)
             if rec is None:
-                if self.kv_follower is not None:
-                    self.kv_follower.drop(name)
-                self._base.pop(name, None)
-                self.fleet.remove(name)
-                self.ledger.remove_worker(name)
-                self.prefix.remove_worker(name)
-                self.ledger.set_remote(name, {})
+                self._targets.pop(name, None)
                 continue
-            if rec.metrics_at is not None:
-                self.ledger.on_report(name, rec.metrics_at)
+            self._targets[name] = targets
             actor_name = rec.kv_events_actor
             # exact mode only when prompts are tokenized like the engine: text-hashed blocks
             # never match the engine's token blocks, so following would erase all affinity
             if actor_name and self.kv_follower is not None and self.config.tokenizer != "none":
                 self.kv_follower.ensure(name, actor_name)
-            base = base_view(rec, self.prefix.hot_blocks(name), self.prefix.reused_blocks(name))
-            self._base[name] = base
-            self._update_view(self.ledger.apply(base))
-            self.ledger.set_remote(name, rec.in_flight_by_replica)
+            if rec.dp_size <= 1:
+                if rec.metrics_at is not None:
+                    self.ledger.on_report(name, rec.metrics_at)
+                base = base_view(rec, self.prefix.hot_blocks(name), self.prefix.reused_blocks(name))
+                self._base[name] = base
+                self._update_view(self.ledger.apply(base))
+                self.ledger.set_remote(name, rec.in_flight_by_replica)
+                continue
+            # a DP worker: each rank its own target, from its own report (a rank not heard yet: zeros);
+            # other replicas share their counts per worker, spread here evenly over the ranks
+            by_rank = {r.get("data_parallel_rank", 0): r for r in rec.ranks}
+            n = rec.dp_size
+            for rank, target in enumerate(targets):
+                at = rec.rank_at.get(rank)
+                if at is not None:
+                    self.ledger.on_report(target, at)
+                base = base_view(rec, self.prefix.hot_blocks(target), self.prefix.reused_blocks(target), rank,
+                                 by_rank.get(rank))
+                self._base[target] = base
+                self._update_view(self.ledger.apply(base))
+                self.ledger.set_remote(target, {rep: c // n + (rank < c % n) for rep, c in rec.in_flight_by_replica.items()
+                                                if c // n + (rank < c % n)})
+
+    def _drop_target(self, target: str) -> None:
+        self._base.pop(target, None)
+        self.fleet.remove(target)
+        self.ledger.remove_worker(target)
+        self.prefix.remove_worker(target)
+        self.ledger.set_remote(target, {})
+
+    def _holder_of(self, worker: str, rank: int) -> str:
+        """The routing target whose cache a KV event of `worker`'s `rank` describes."""
+        targets = self._targets.get(worker)
+        return targets[rank] if targets is not None and len(targets) > 1 and rank < len(targets) else worker
+
+    def targets(self, worker: str) -> tuple[str, ...]:
+        """`worker`'s routing targets: itself, or one per attention-DP rank."""
+        return self._targets.get(worker, (worker,))
+
+    def in_flight(self, worker: str) -> int:
+        """This replica's requests in flight on `worker` (all its ranks)."""
+        return sum(self.ledger.in_flight(t) for t in self.targets(worker))
 
     def _update_view(self, view: WorkerView) -> None:
         """Put `view` into the fleet view and into the model groups' views that hold it."""
         self.fleet.update(view)
+        worker = view.worker or view.name
         for names, fleet in self._model_fleets.values():
-            if fleet is not None and view.name in names:
+            if fleet is not None and worker in names:
                 fleet.update(view)
 
     def _index_models(self, worker: str, models: tuple[str, ...] | None) -> bool:
@@ -247,9 +293,9 @@ class RouterCore:
         hit = self._model_fleets.get(group)
         if hit is None:
             names = frozenset(self.serving(model))
-            whole = len(names) == len(self.fleet) and all(v.name in names for v in self.fleet)
+            whole = all((v.worker or v.name) in names for v in self.fleet)
             hit = self._model_fleets[group] = (names, None if whole else
-                                               FleetView([v for v in self.fleet if v.name in names]))
+                                               FleetView([v for v in self.fleet if (v.worker or v.name) in names]))
         return hit[0], hit[1] if hit[1] is not None else self.fleet
 
     # --- decisions ----------------------------------------------------------------------------
@@ -285,7 +331,7 @@ class RouterCore:
             synced = self.kv_follower.synced if self.kv_follower is not None else ()
             if synced:  # exact mode: what the engine reports it holds beats what we sent it
                 exact = self.exact.overlap(request.block_hashes)
-                overlap = overlap.override({w: exact.get(w, 0) for w in synced})
+                overlap = overlap.override({t: exact.get(t, 0) for w in synced for t in self.targets(w)})
             request = request.with_overlap(overlap)
         fleet = self.views()
         if model is not None:  # only the workers of the model are candidates: the policy sees just them
@@ -300,7 +346,7 @@ class RouterCore:
         else:
             # excluded workers are shown to the policy as down for this one decision: the fleet
             # view keeps its cached columns (a copy of a large fleet would cost O(workers))
-            known = [v for v in map(fleet.get, exclude) if v is not None]
+            known = [v for w in exclude for v in map(fleet.get, self.targets(w)) if v is not None]
             if known and len(known) == len(fleet):
                 raise NoWorkerAvailable(f"no routable worker: all {len(fleet)} are excluded for this request "
                                         f"(already tried, or circuit breaker open)")
@@ -313,7 +359,8 @@ class RouterCore:
                 for v in hidden:
                     fleet.update(v)
         if self._dlog is not None:
-            self._log_decision(request, decision, [v for v in fleet if v.name not in exclude] if exclude else fleet)
+            self._log_decision(request, decision,
+                               [v for v in fleet if (v.worker or v.name) not in exclude] if exclude else fleet)
         return decision, request
 
     def _log_decision(self, request: RouteRequest, decision: Decision, workers: Any) -> None:
@@ -321,16 +368,18 @@ class RouterCore:
         recs = self.follower.workers
         cand = {}
         for v in workers:
-            rec = recs.get(v.name)
+            rec = recs.get(v.worker or v.name)
             age = None if rec is None or rec.metrics_at is None else round(now - rec.metrics_at, 4)
             cand[v.name] = [v.state, v.running, v.waiting, v.kv_active_blocks, v.pending,
                             v.pending_prefill_blocks, v.pending_kv_blocks, v.remote_pending, v.in_flight,
                             v.hot_blocks, v.reused_blocks, request.overlap.get(v.name, 0), age, v.prefilling]
-        self._dlog.write(json.dumps({"t": round(now, 4), "worker": decision.worker, "reason": decision.reason,
+        self._dlog.write(json.dumps({"t": round(now, 4), "worker": decision.worker, "rank": decision.rank,
+                                     "reason": decision.reason,
                                      "prompt_blocks": request.prompt_blocks, "w": cand}) + "\n")
 
     def on_routed(self, request_id: str, request: RouteRequest, worker: str, model: str | None = None) -> None:
-        """The request is being sent to `worker`: count it in flight and index its prompt there
+        """The request is being sent to `worker` (a routing target: a worker, or a DP rank of one as
+        `Decision.target` names it): count it in flight and index its prompt there
         (now, not when the worker answers: a long prefill would otherwise let the next requests
         with the same prefix miss it). A failed attempt leaves a stale entry that ages out."""
         self.ledger.on_routed(request_id, worker, request.prompt_blocks, request.overlap.get(worker, 0))
@@ -347,7 +396,7 @@ class RouterCore:
         failed worker in `exclude`). Raises NoWorkerAvailable, UnknownPolicy."""
         decision, request = self.decide(request, policy_name, exclude, model)
         request_id = f"{self.replica_id}-{next(self._request_ids)}"
-        self.on_routed(request_id, request, decision.worker, model)
+        self.on_routed(request_id, request, decision.target or decision.worker, model)
         return RequestTicket(decision, request, request_id, self.ledger)
 
     # --- public views -------------------------------------------------------------------------
@@ -356,7 +405,9 @@ class RouterCore:
         now = time.monotonic()
         workers = []
         for rec in sorted(self.follower.workers.values(), key=lambda r: r.name):
-            lv = self.ledger.view(rec.name, idle=rec.state == "idle")
+            targets = self.targets(rec.name)
+            lvs = [self.ledger.view(t, idle=rec.state == "idle") for t in targets]
+            extra = {} if len(targets) == 1 else {"in_flight_by_rank": [lv.in_flight + lv.remote_pending for lv in lvs]}
             workers.append(
                 {
                     "name": rec.name,
@@ -370,8 +421,10 @@ class RouterCore:
                     "heartbeat_age_s": round(now - rec.heartbeat_at, 4),
                     "metrics": {f: rec.metrics[f] for f in KV_METRICS_FIELDS} if rec.metrics else None,
                     "ranks": rec.ranks,
-                    "in_flight": lv.in_flight + lv.remote_pending,
-                    "in_flight_local": lv.in_flight,
+                    "dp_size": rec.dp_size,
+                    "in_flight": sum(lv.in_flight + lv.remote_pending for lv in lvs),
+                    "in_flight_local": sum(lv.in_flight for lv in lvs),
+                    **extra,
                     "updated_at": rec.updated_at,
                     "managed": rec.managed_view(),
                 }
@@ -434,6 +487,13 @@ class RequestTicket:
 
     def __repr__(self) -> str:
         return f"RequestTicket({self.request_id!r}, worker={self.decision.worker!r})"
+
+
+def _targets_of(rec: WorkerRecord) -> tuple[str, ...]:
+    """A worker's routing targets: itself, or (dp_size > 1) one per attention-DP rank."""
+    if rec.dp_size <= 1:
+        return (rec.name,)
+    return tuple(target_name(rec.name, r) for r in range(rec.dp_size))
 
 
 def _has_text_prompt(body: Any) -> bool:

@@ -51,6 +51,11 @@ class WorkerView:
     # ledger: this replica's requests there not yet past their first token (they share the next
     # prefill batches with whatever is sent there now)
     prefilling: int = 0
+    # a DP-attention rank of a worker with dp_size > 1 is a routing target of its own: `name` is then
+    # `target_name(worker, rank)`, `worker` the worker's name and `rank` its attention-DP rank; a
+    # worker without DP ranks is one target (`worker` "" = `name`, `rank` None: nothing to pin)
+    worker: str = ""
+    rank: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,17 +89,35 @@ class RouteRequest:
 class Decision(NamedTuple):
     """The chosen worker (a NamedTuple: built once per request, in C). `why` is the reason as text,
     or as (format, *args) formatted only when `reason` is read (/route, debug logs): formatting
-    floats costs more than a small decision."""
+    floats costs more than a small decision. `rank` is the attention-DP rank to pin (None: the
+    worker has no DP ranks) and `target` the chosen view's name (`target_name`; "" = `worker`)."""
 
     worker: str
     url: str
     policy: str
     why: str | tuple = ""
+    rank: int | None = None
+    target: str = ""
 
     @property
     def reason(self) -> str:
         why = self.why
         return why if isinstance(why, str) else why[0].format(*why[1:])
+
+
+RANK_SEPARATOR = "@"  # never in a worker name (actors.fleet), so a target name cannot clash with one
+
+
+def target_name(worker: str, rank: int | None) -> str:
+    """The routing target of `worker`'s attention-DP `rank` (None: the worker itself)."""
+    return worker if rank is None else f"{worker}{RANK_SEPARATOR}{rank}"
+
+
+def decision(w: WorkerView, policy: str, why: str | tuple = "") -> Decision:
+    """The decision for view `w`: its worker, URL and (a DP worker's) rank."""
+    if w.rank is None:
+        return Decision(w.name, w.url, policy, why)
+    return Decision(w.worker, w.url, policy, why, w.rank, w.name)
 
 
 class NoWorkerAvailable(RuntimeError):

@@ -77,7 +77,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from serve_app.policies.base import Decision, RouteRequest, WorkerView, _raise_none
+from serve_app.policies.base import Decision, decision, RouteRequest, WorkerView, _raise_none
 from serve_app.policies.fleet import FleetView
 from serve_app.policies.overlap import Overlap
 
@@ -331,7 +331,7 @@ class KvAware:
                     cc = cost[cand]
                     cand = cand[cc <= cc[cc.argmin()] + _EPS]
                 i = int(cand[0]) if len(cand) == 1 else rng.choice(cand.tolist())
-                return Decision(fleet[i].name, fleet[i].url, self.name,
+                return decision(fleet[i], self.name,
                                 ("overlap={}/{} blocks, cost={:.1f} (min {:.1f})", most, P, float(cost[i]), best))
         if cfg.turn_tolerance and not self.terms(fleet, request.block_tokens).any_reused():
             near_mask = cost <= best * (1.0 + cfg.turn_tolerance) + cfg.tolerance_blocks + _EPS
@@ -341,14 +341,14 @@ class KvAware:
                 turn = np.flatnonzero(last == last[last.argmin()]).tolist()
                 i = turn[0] if len(turn) == 1 else rng.choice(turn)
                 w = fleet[i]
-                return Decision(w.name, w.url, self.name,
+                return decision(w, self.name,
                                 ("overlap={}/{} blocks, cost={:.1f} (min {:.1f}): its turn of {} near the minimum"
                                  " (no reused prefixes)", _overlap_of(request, w.name), P, float(cost[i]), best,
                                  n_near))
         mins = np.flatnonzero(cost <= best + _EPS).tolist()
         i = mins[0] if len(mins) == 1 else rng.choice(mins)
         w = fleet[i]
-        return Decision(w.name, w.url, self.name,
+        return decision(w, self.name,
                         ("overlap={}/{} blocks, cost={:.1f} = min of {}{}", _overlap_of(request, w.name), P, best,
                          len(fleet), f" ({len(mins)} tied)" if len(mins) > 1 else ""))
 

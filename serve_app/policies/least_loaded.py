@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from typing import Sequence
 
-from serve_app.policies.base import Decision, RouteRequest, WorkerView, _Argmin, routable
+from serve_app.policies.base import Decision, decision, RouteRequest, WorkerView, _Argmin, routable
 
 
 def load_of(w: WorkerView) -> float:
@@ -26,4 +26,4 @@ class LeastLoaded:
         for w in routable(workers):
             best.add(load_of(w), w)
         pick = best.items[0] if len(best.items) == 1 else rng.choice(best.items)
-        return Decision(pick.name, pick.url, self.name, ("load={:.3f} among {} tied", best.best, len(best.items)))
+        return decision(pick, self.name, ("load={:.3f} among {} tied", best.best, len(best.items)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from typing import Sequence
 
-from serve_app.policies.base import Decision, RouteRequest, WorkerView, routable
+from serve_app.policies.base import Decision, decision, RouteRequest, WorkerView, routable
 from serve_app.policies.least_loaded import load_of
 
 
@@ -18,7 +18,7 @@ class PowerOfTwo:
         ok = routable(workers)
         if len(ok) == 1:
             only = ok[0]
-            return Decision(only.name, only.url, self.name, "only routable worker")
+            return decision(only, self.name, "only routable worker")
         a, b = rng.sample(ok, 2)
         la, lb = load_of(a), load_of(b)
         if la == lb:
@@ -26,5 +26,5 @@ class PowerOfTwo:
         else:
             pick = a if la < lb else b
         other = b if pick is a else a
-        return Decision(pick.name, pick.url, self.name,
+        return decision(pick, self.name,
                         ("load={:.3f} vs {}={:.3f}", min(la, lb), other.name, max(la, lb)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from typing import Sequence
 
-from serve_app.policies.base import Decision, RouteRequest, WorkerView, routable
+from serve_app.policies.base import Decision, decision, RouteRequest, WorkerView, routable
 
 
 class RandomChoice:
@@ -16,4 +16,4 @@ class RandomChoice:
     ) -> Decision:
         ok = routable(workers)
         pick = rng.choice(ok)
-        return Decision(pick.name, pick.url, self.name, f"uniform among {len(ok)}")
+        return decision(pick, self.name, f"uniform among {len(ok)}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from typing import Sequence
 
-from serve_app.policies.base import Decision, RouteRequest, WorkerView, routable
+from serve_app.policies.base import Decision, decision, RouteRequest, WorkerView, routable
 
 
 class RoundRobin:
@@ -24,4 +24,4 @@ class RoundRobin:
         i = self._next % len(ok)
         self._next = i + 1
         pick = ok[i]
-        return Decision(pick.name, pick.url, self.name, f"turn {i + 1}/{len(ok)}")
+        return decision(pick, self.name, f"turn {i + 1}/{len(ok)}")

@@ -111,7 +111,7 @@ class RouterExporter:
         for rec in core.follower.workers.values():
             t = {"deployment": dep, "worker": rec.name}
             met = rec.metrics or {}
-            m["kvroute_worker_in_flight_requests"].set(core.ledger.in_flight(rec.name), tags=t)
+            m["kvroute_worker_in_flight_requests"].set(core.in_flight(rec.name), tags=t)
             m["kvroute_worker_running_requests"].set(met.get("request_active_slots", 0), tags=t)
             m["kvroute_worker_waiting_requests"].set(met.get("num_requests_waiting", 0), tags=t)
             m["kvroute_worker_kv_usage_ratio"].set(met.get("gpu_cache_usage_perc", 0.0), tags=t)
