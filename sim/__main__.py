@@ -27,7 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-endpoint", help="ZMQ endpoint to PUSH KvMetrics to (connect); omit for none")
     p.add_argument("--wire", default=DEFAULT_WIRE, choices=sorted(WIRE_FORMS),
                    help=f"SGLang release whose KvMetrics frames to send (default: {DEFAULT_WIRE})")
-    p.add_argument("--dp-rank", type=int, default=d.dp_rank, help="data_parallel_rank in KvMetrics")
+    p.add_argument("--dp-rank", type=int, default=d.dp_rank, help="data_parallel_rank in KvMetrics (without --dp-size)")
+    p.add_argument("--dp-size", type=int, default=1,
+                   help="attention-DP ranks behind this server, each with its own scheduler, KV pool, KvMetrics "
+                   "(data_parallel_rank set, all pushed to --metrics-endpoint) and KV events (endpoint port + rank); "
+                   "a request pins one with routed_dp_rank / data_parallel_rank, else ranks take turns")
     p.add_argument("--model-name", default=SimConfig().model_name, help="served model name")
     p.add_argument("--page-size", type=int, default=d.page_size)
     p.add_argument("--max-total-num-tokens", type=int, default=d.max_total_num_tokens, help="KV pool size in tokens")
@@ -98,6 +102,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         kv_events_replay_endpoint=kv["replay_endpoint"],
         kv_events_encoding=args.kv_events_encoding,
         kv_events_topic=kv["topic"],
+        dp_size=args.dp_size,
         **({"kv_events_buffer_steps": kv["buffer_steps"]} if "buffer_steps" in kv else {}),
     )
 

@@ -96,6 +96,8 @@ class SimConfig(BaseModel):
         None, description="event encoding; default: the wire release's (array up to 0.5.18, map from 0.5.20)"
     )
     kv_events_topic: str = ""
+    dp_size: int = Field(1, ge=1, le=64, description="attention-DP ranks behind this one server (SGLang --dp-size "
+                         "with --enable-dp-attention): each its own scheduler loop, KV pool, KvMetrics and KV events")
     kv_events_buffer_steps: int = Field(10_000, ge=1, description="batches kept for replay")
     shutdown_grace_s: float = Field(0.5, ge=0, description="how long open streams may finish")
 
@@ -111,4 +113,7 @@ class SimConfig(BaseModel):
     def _known_wire(self) -> "SimConfig":
         if self.wire not in WIRE_FORMS:
             raise ValueError(f"wire={self.wire!r}: expected one of {sorted(WIRE_FORMS)}")
+        if self.dp_size > 1 and self.engine.dp_rank != 0:
+            raise ValueError(f"dp_rank={self.engine.dp_rank} with dp_size={self.dp_size}: the ranks are 0..dp_size-1; "
+                             "--dp-rank names the one rank of a server without DP")
         return self

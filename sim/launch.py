@@ -56,6 +56,8 @@ def sim_argv(config: SimConfig) -> list[str]:
         "--dp-rank", str(e.dp_rank), "--seed", str(e.seed),
         "--kv-events-topic", config.kv_events_topic,
     ]
+    if config.dp_size > 1:
+        argv += ["--dp-size", str(config.dp_size)]
     if config.kv_events_encoding:
         argv += ["--kv-events-encoding", config.kv_events_encoding]
     if config.kv_events_bind is not None:

@@ -58,6 +58,8 @@ class ChatCompletionRequest(_Lenient):
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1)
     rid: StrictStr | None = None
+    routed_dp_rank: int | None = None  # pins an attention-DP rank (sim.dp)
+    data_parallel_rank: int | None = None  # its deprecated alias (0.4.9: the only name)
 
     @field_validator("n")
     @classmethod
@@ -76,6 +78,8 @@ class CompletionRequest(_Lenient):
     n: int = Field(default=1, ge=1)
     echo: bool = False
     rid: StrictStr | None = None
+    routed_dp_rank: int | None = None  # pins an attention-DP rank (sim.dp)
+    data_parallel_rank: int | None = None  # its deprecated alias (0.4.9: the only name)
 
     @field_validator("n")
     @classmethod
@@ -95,6 +99,8 @@ class GenerateRequest(_Lenient):
     sampling_params: SamplingParams | None = None
     stream: bool = False
     rid: StrictStr | None = None
+    routed_dp_rank: int | None = None  # pins an attention-DP rank (sim.dp)
+    data_parallel_rank: int | None = None  # its deprecated alias (0.4.9: the only name)
 
 
 def _first_error(exc: ValidationError) -> BadRequest:

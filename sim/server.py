@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sim import protocol, tokenizer
 from sim.config import SimConfig
+from sim.dp import DpController, Route, requested_rank
 from sim.engine import Engine, KvReport, RequestRejected, SimRequest, TokenOutput
 from sim.kv_event_publisher import KvEventPublisher
 from sim.kv_events import KvEvent
@@ -64,6 +65,7 @@ class _Stream:
     wall_submit: float
     wall_first: float | None = None
     done: bool = False
+    rank: int = 0  # the attention-DP rank serving it
 
 
 class EngineDown(RuntimeError):
@@ -187,31 +189,43 @@ class SimServer:
             }
         )
         self._zmq = zmq.Context()
-        emitter = publisher = None
+        # one scheduler per attention-DP rank: its own engine (KV pool, loop), KvMetrics PUSH (every
+        # rank connects to the one metrics address, as SGLang's DP ranks share theirs) and KV-event
+        # PUB on the endpoint offset by its rank; without DP the one rank is --dp-rank
+        ranks = [engine_cfg.dp_rank] if config.dp_size == 1 else list(range(config.dp_size))
+        self.outputs_by_rank: list[_Outputs] = []
         try:
-            if config.metrics_endpoint:
-                emitter = MetricsEmitter(config.metrics_endpoint, config.wire, context=self._zmq)
-            if config.kv_events_endpoint:
-                publisher = KvEventPublisher(
-                    config.kv_events_endpoint,
-                    release=config.wire,
-                    bind=config.kv_events_bind,
-                    encoding=config.events_encoding,
-                    topic=config.kv_events_topic,
-                    dp_rank=engine_cfg.dp_rank,
-                    replay_endpoint=config.kv_events_replay_endpoint,
-                    buffer_steps=config.kv_events_buffer_steps,
-                    context=self._zmq,
-                )
+            for rank in ranks:
+                emitter = publisher = None
+                if config.metrics_endpoint:
+                    emitter = MetricsEmitter(config.metrics_endpoint, config.wire, context=self._zmq)
+                self.outputs_by_rank.append(_Outputs(emitter, None))
+                if config.kv_events_endpoint:
+                    publisher = KvEventPublisher(
+                        config.kv_events_endpoint,
+                        release=config.wire,
+                        bind=config.kv_events_bind,
+                        encoding=config.events_encoding,
+                        topic=config.kv_events_topic,
+                        dp_rank=rank,
+                        replay_endpoint=config.kv_events_replay_endpoint,
+                        buffer_steps=config.kv_events_buffer_steps,
+                        context=self._zmq,
+                    )
+                    self.outputs_by_rank[-1].publisher = publisher
         except Exception:
-            if emitter is not None:
-                emitter.close()
+            self._close_outputs()
             self._zmq.term()
             raise
-        self.outputs = _Outputs(emitter, publisher)
-        self.engine = Engine(engine_cfg, self.outputs)
+        self.engines = [Engine(engine_cfg.model_copy(update={"dp_rank": rank}), out)
+                        for rank, out in zip(ranks, self.outputs_by_rank)]
+        self.outputs = self.outputs_by_rank[0]  # rank 0's (the only one without DP)
+        self.engine = self.engines[0]
+        self.dp = DpController(config.dp_size, config.wire)
+        self._rank_in_meta = tuple(int(x) for x in release_of(config.wire).split(".")) >= (0, 5, 14)
         self.metrics = SimMetrics(config.model_name)
-        self.driver: EngineDriver | None = None
+        self.drivers: list[EngineDriver] = []
+        self.driver: EngineDriver | None = None  # rank 0's
         self._tasks: list[asyncio.Task[None]] = []
         self.version = release_of(config.wire)  # what /server_info and /v1/loads say the server is
         self.app = _keep_release_routes(self._build_app(), config.wire)
@@ -220,9 +234,10 @@ class SimServer:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
-        self.driver = EngineDriver(self.engine, self.config.time_scale)
-        self._tasks = [asyncio.create_task(self.driver.run(), name="sim-engine")]
-        if self.outputs.publisher is not None and self.outputs.publisher.replay_endpoint:
+        self.drivers = [EngineDriver(e, self.config.time_scale) for e in self.engines]
+        self.driver = self.drivers[0]
+        self._tasks = [asyncio.create_task(d.run(), name=f"sim-engine-{i}") for i, d in enumerate(self.drivers)]
+        if any(o.publisher is not None and o.publisher.replay_endpoint for o in self.outputs_by_rank):
             self._tasks.append(asyncio.create_task(self._serve_replay(), name="sim-kv-replay"))
         logger.info(
             "sim worker %s:%d up (model %s, wire %s, metrics → %s, kv events %s)",
@@ -232,37 +247,43 @@ class SimServer:
         try:
             yield
         finally:
-            self.driver.stop()
+            for d in self.drivers:
+                d.stop()
             for task in self._tasks:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _serve_replay(self) -> None:
-        assert self.outputs.publisher is not None
         while True:
-            self.outputs.publisher.serve_replay()
+            for o in self.outputs_by_rank:
+                if o.publisher is not None:
+                    o.publisher.serve_replay()
             await asyncio.sleep(0.02)
 
     def begin_shutdown(self) -> None:
         """Called when a stop signal arrives: open streams end at once instead of timing out."""
-        if self.driver is not None:
-            self.driver.end_all_streams()
+        for d in self.drivers:
+            d.end_all_streams()
+
+    def _close_outputs(self) -> None:
+        for o in self.outputs_by_rank:
+            if o.emitter is not None:
+                o.emitter.close()
+            if o.publisher is not None:
+                o.publisher.close()
 
     def close(self) -> None:
         """Close every socket (linger 0). Idempotent."""
-        if self.outputs.emitter is not None:
-            self.outputs.emitter.close()
-        if self.outputs.publisher is not None:
-            self.outputs.publisher.close()
+        self._close_outputs()
         if not self._zmq.closed:
             self._zmq.term()
 
     # -------------------------------------------------------------- shared helpers
 
-    def _driver(self) -> EngineDriver:
-        if self.driver is None:
+    def _driver(self, rank: int = 0) -> EngineDriver:
+        if not self.drivers:
             raise RuntimeError("the engine driver is not running (app used outside its lifespan)")
-        return self.driver
+        return self.drivers[rank]
 
     def _server_args(self) -> dict[str, Any]:
         c, e = self.config, self.engine.config
@@ -287,7 +308,9 @@ class SimServer:
             "context_length": e.context_length,
             "schedule_policy": "fcfs",
             "tp_size": 1,
-            "dp_size": 1,
+            "dp_size": c.dp_size,
+            "enable_dp_attention": c.dp_size > 1,
+            "load_balance_method": "round_robin",
             "decode_log_interval": e.decode_log_interval,
             "enable_metrics": True,
             "kv_events_config": kv_cfg,
@@ -302,7 +325,7 @@ class SimServer:
             "endpoint": pub.endpoint,
             "topic": self.config.kv_events_topic,
             "block_size": self.engine.page_size,
-            "dp_size": 1,
+            "dp_size": self.config.dp_size,
             "encoding": pub.encoding,
             "pub_binds": pub.binds,
             "next_seq": pub.next_seq,
@@ -318,10 +341,19 @@ class SimServer:
         return info
 
     def stats_json(self) -> dict[str, Any]:
-        stats = dataclasses.asdict(self.engine.stats())
-        em = self.outputs.emitter
-        last = self.outputs.last_report
+        """The sim's own figures: rank 0's (the only rank without DP) and, with DP, every rank's under `ranks`."""
+        out = self._rank_stats(0)
+        if self.config.dp_size > 1:
+            out["ranks"] = [self._rank_stats(i) for i in range(len(self.engines))]
+        return out
+
+    def _rank_stats(self, i: int) -> dict[str, Any]:
+        stats = dataclasses.asdict(self.engines[i].stats())
+        o = self.outputs_by_rank[i]
+        em = o.emitter
+        last = o.last_report
         return {
+            "dp_rank": self.engines[i].config.dp_rank,
             **stats,
             "sim_time_s": self.driver.sim_now() if self.driver else 0.0,
             "time_scale": self.config.time_scale,
@@ -329,12 +361,14 @@ class SimServer:
             "kv_metrics_sent": em.sent if em else 0,
             "kv_metrics_dropped": em.dropped if em else 0,
             "last_kv_metrics": last.as_dict() if last else None,
-            "kv_events_published": self.outputs.publisher.next_seq if self.outputs.publisher else 0,
+            "kv_events_published": o.publisher.next_seq if o.publisher else 0,
         }
 
-    def _load_snapshot(self) -> dict[str, Any]:
-        s = self.engine.stats()
-        e = self.engine.config
+    def _load_snapshot(self, i: int = 0) -> dict[str, Any]:
+        """Rank `i`'s load as SGLang's scheduler publishes it (/v1/loads, /get_load)."""
+        engine = self.engines[i]
+        s = engine.stats()
+        e = engine.config
         total_tokens = s.used_tokens + s.waiting_tokens
         busy = s.prefill_busy_s + s.decode_busy_s
         elapsed = self.driver.sim_now() if self.driver else 0.0
@@ -373,7 +407,7 @@ class SimServer:
                     return
         finally:
             if not stream.done:
-                self._driver().abort(stream.req.rid)
+                self._driver(stream.rank).abort(stream.req.rid)
 
     def _account(self, stream: _Stream, streaming: bool) -> None:
         req = stream.req
@@ -412,6 +446,8 @@ class SimServer:
             "e2e_latency": time.monotonic() - stream.wall_submit,
             "weight_version": "default",
         }
+        if self.config.dp_size > 1 and self._rank_in_meta:  # SGLang >= 0.5.14 names the serving rank
+            meta["dp_rank"] = stream.rank
         if req.first_token_time is not None:
             meta["sim"] = {
                 "ttft_s": req.ttft,
@@ -419,12 +455,20 @@ class SimServer:
             }
         return meta
 
-    def _submit(self, rid: str | None, input_ids: list[int], max_new_tokens: int) -> _Stream:
+    def _submit(self, rid: str | None, input_ids: list[int], max_new_tokens: int, pinned: int | None = None,
+                *, health: bool = False) -> _Stream:
+        """Queue a request on the rank the DP front picks (`pinned`, else its turn)."""
         rid = rid or uuid.uuid4().hex
+        rank = self.dp.choose(pinned, health=health)
         try:
-            return self._driver().submit(rid, input_ids, max_new_tokens)
+            stream = self._driver(rank).submit(rid, input_ids, max_new_tokens)
         except RequestRejected as exc:
             raise protocol.BadRequest(str(exc)) from exc
+        stream.rank = rank
+        return stream
+
+    def _pinned(self, route: Route, body: Any, request: Request) -> int | None:
+        return requested_rank(self.config.wire, route, body, request.headers)
 
     # -------------------------------------------------------------- routes
 
@@ -450,11 +494,11 @@ class SimServer:
 
         @app.get("/health")
         async def health() -> Response:
-            return Response(status_code=503 if self._driver().failed else 200)
+            return Response(status_code=503 if any(d.failed for d in self.drivers) or not self.drivers else 200)
 
         @app.get("/health_generate")
         async def health_generate() -> Response:
-            stream = self._submit(f"HEALTH_CHECK_{uuid.uuid4().hex}", [tokenizer.BOS], 1)
+            stream = self._submit(f"HEALTH_CHECK_{uuid.uuid4().hex}", [tokenizer.BOS], 1, health=True)
 
             async def drain() -> None:
                 async for _ in self._tokens(stream):
@@ -522,38 +566,43 @@ class SimServer:
                 raise protocol.BadRequest(
                     f"Invalid include sections: {sorted(sections - valid)}. Valid options: {sorted(valid)}", "include"
                 )
-            snap = self._load_snapshot()
-            if dp_rank is not None and dp_rank != snap["dp_rank"]:
-                raise protocol.BadRequest(f"dp_rank {dp_rank} out of range (this worker is rank {snap['dp_rank']})", "dp_rank")
-            load: dict[str, Any] = dict(snap)
+            # one entry per rank; a dp_rank filter outside the ranks gives an empty list, as SGLang's does
+            snaps = [self._load_snapshot(i) for i in range(len(self.engines))]
+            if dp_rank is not None:
+                snaps = [snap for snap in snaps if snap["dp_rank"] == dp_rank]
             want = (lambda name: True) if sections is None or "all" in sections else (lambda name: name in sections)
-            if want("memory"):
-                load["memory"] = {
-                    "weight_gb": 14.96, "kv_cache_gb": round(self.engine.max_total_num_tokens * 131072 / 2**30, 3),
-                    "graph_gb": 0.5, "token_capacity": self.engine.max_total_num_tokens,
-                }
-            if want("queues"):
-                load["queues"] = {"waiting": snap["num_waiting_reqs"], "grammar": 0, "paused": 0,
-                                  "retracted": 0, "prealloc_ready": 0}
+            loads = []
+            for snap in snaps:
+                load: dict[str, Any] = dict(snap)
+                if want("memory"):
+                    load["memory"] = {
+                        "weight_gb": 14.96, "kv_cache_gb": round(self.engine.max_total_num_tokens * 131072 / 2**30, 3),
+                        "graph_gb": 0.5, "token_capacity": self.engine.max_total_num_tokens,
+                    }
+                if want("queues"):
+                    load["queues"] = {"waiting": snap["num_waiting_reqs"], "grammar": 0, "paused": 0,
+                                      "retracted": 0, "prealloc_ready": 0}
+                loads.append(load)
             if format == "prometheus":
                 lines = []
-                for key, value in load.items():
-                    if key == "dp_rank" or isinstance(value, dict) or not isinstance(value, (int, float)):
-                        continue
-                    lines += [f"# TYPE sglang_{key} gauge", f'sglang_{key}{{dp_rank="{snap["dp_rank"]}"}} {value}']
+                for load in loads:
+                    for key, value in load.items():
+                        if key == "dp_rank" or isinstance(value, dict) or not isinstance(value, (int, float)):
+                            continue
+                        lines += [f"# TYPE sglang_{key} gauge", f'sglang_{key}{{dp_rank="{load["dp_rank"]}"}} {value}']
                 return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8")
             return {
                 "timestamp": datetime.now(timezone.utc).isoformat(),
                 "version": self.version,
                 "accelerator": "NVIDIA H100 80GB HBM3",
                 "num_accelerators": 1,
-                "loads": [load],
+                "loads": loads,
             }
 
         @app.get("/get_load")
         async def get_load() -> list[dict[str, Any]]:
             # the legacy shape sglang-router's power_of_two reads (`num_tokens`); gone in 0.5.23
-            snap = self._load_snapshot()
+            snaps = [self._load_snapshot(i) for i in range(len(self.engines))]
             return [{
                 "dp_rank": snap["dp_rank"],
                 "num_reqs": snap["num_running_reqs"] + snap["num_waiting_reqs"],
@@ -561,7 +610,7 @@ class SimServer:
                 "num_tokens": snap["num_total_tokens"],
                 "num_pending_tokens": snap["num_total_tokens"] - snap["num_used_tokens"],
                 "ts_tic": time.perf_counter(),
-            }]
+            } for snap in snaps]
 
         @app.get("/metrics")
         async def metrics() -> Response:
@@ -569,7 +618,8 @@ class SimServer:
 
         @app.api_route("/flush_cache", methods=["GET", "POST"])
         async def flush_cache() -> Response:
-            if self.engine.flush_cache():
+            # broadcast to every rank; refused while any rank has requests (none is flushed then)
+            if all(e.is_idle for e in self.engines) and all([e.flush_cache() for e in self.engines]):
                 return Response("Cache flushed.\nPlease check backend logs for more details. "
                                 "(When there are running or waiting requests, the operation will not be performed.)\n")
             return Response("Cache not flushed: requests are running or waiting.\n", status_code=400)
@@ -580,7 +630,7 @@ class SimServer:
             max_new = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
             if max_new is None:
                 max_new = self.engine.config.default_max_new_tokens
-            stream = self._submit(body.rid, protocol.chat_input_ids(body), max_new)
+            stream = self._submit(body.rid, protocol.chat_input_ids(body), max_new, self._pinned("chat", body, request))
             model = body.model or cfg.model_name
             if body.stream:
                 usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -607,7 +657,7 @@ class SimServer:
         async def completions(request: Request) -> Response:
             body = protocol.parse_body(await request.body(), protocol.CompletionRequest)
             ids = protocol.completion_input_ids(body)
-            stream = self._submit(body.rid, ids, body.max_tokens)
+            stream = self._submit(body.rid, ids, body.max_tokens, self._pinned("completion", body, request))
             model = body.model or cfg.model_name
             if body.stream:
                 usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -633,7 +683,7 @@ class SimServer:
             max_new = sp.max_new_tokens if sp is not None and sp.max_new_tokens is not None else None
             if max_new is None:
                 max_new = self.engine.config.default_max_new_tokens
-            stream = self._submit(body.rid, ids, max_new)
+            stream = self._submit(body.rid, ids, max_new, self._pinned("generate", body, request))
             if body.stream:
                 return StreamingResponse(self._generate_sse(stream), media_type="text/event-stream",
                                          headers=_SSE_HEADERS)
