@@ -341,10 +341,23 @@ class SimServer:
         return info
 
     def stats_json(self) -> dict[str, Any]:
-        """The sim's own figures: rank 0's (the only rank without DP) and, with DP, every rank's under `ranks`."""
-        out = self._rank_stats(0)
-        if self.config.dp_size > 1:
-            out["ranks"] = [self._rank_stats(i) for i in range(len(self.engines))]
+        """The sim's own figures for the whole server. With DP: counters (and busy seconds) summed over
+        the ranks, fractions and means averaged, `token_usage` recomputed; every rank's own under `ranks`."""
+        if self.config.dp_size == 1:
+            return self._rank_stats(0)
+        ranks = [self._rank_stats(i) for i in range(len(self.engines))]
+        out: dict[str, Any] = {}
+        for key, value in ranks[0].items():
+            if key == "dp_rank" or not isinstance(value, (int, float)) or isinstance(value, bool) or key in (
+                    "sim_time_s", "time_scale"):
+                out[key] = None if key == "dp_rank" else value
+            elif isinstance(value, int) or key.endswith("_busy_s"):
+                out[key] = sum(r[key] for r in ranks)
+            else:
+                out[key] = sum(r[key] for r in ranks) / len(ranks)
+        if out.get("max_total_num_tokens"):
+            out["token_usage"] = out["used_tokens"] / out["max_total_num_tokens"]
+        out["ranks"] = ranks
         return out
 
     def _rank_stats(self, i: int) -> dict[str, Any]:
