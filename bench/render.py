@@ -283,6 +283,10 @@ def _markdown(doc, agg, rates, targets, oh, goals, plots) -> str:
              + ", ".join(f"`{k}={v}`" for k, v in eng.items())
              + ". Timing model: sim defaults (Llama-3.1-8B on H100: prefill 5 ms + 60 µs/uncached token; decode "
                "8 ms + 0.15 ms/request + 40 ns/KV token per step).")
+    if cfg.get("dp_size", 1) > 1:
+        L.append(f"- DP attention: each worker runs `--dp-size {cfg['dp_size']}` (that many ranks behind one server, "
+                 "each with the engine arguments above: its own scheduler, KV pool, KvMetrics and KV events); kvroute's "
+                 "fleet entries say `dp_size` and its policies pick worker and rank; sglang-router runs `--dp-aware`.")
     pool = eng.get("max_total_num_tokens")
     sp = cfg["workloads"].get("shared_prefix", {}).get("params", {})
     fit = ""

@@ -372,6 +372,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dump", default=None, metavar="DIR",
                     help="write every request's result (per trial) and every kvroute decision (router "
                          "decision_log, one file per kvroute target) as JSON lines to DIR, for diagnosis")
+    ap.add_argument("--workers", type=int, default=None, help="override the suite's number of workers")
+    ap.add_argument("--dp-size", type=int, default=1,
+                    help="attention-DP ranks per worker (sim --dp-size; kvroute's fleet dp_size; sglang-router "
+                    "--dp-aware), e.g. --workers 2 --dp-size 2")
     ap.add_argument("--no-sub", action="store_true", help="skip the ingest/decision subprocess benchmarks")
     ap.add_argument("--no-overhead", action="store_true", help="skip the overhead phase")
     ap.add_argument("-v", "--verbose", action="store_true")
@@ -439,9 +443,16 @@ def main(argv: list[str] | None = None) -> int:
     dump = Path(ns.dump).resolve() if ns.dump else None
     if dump is not None:
         dump.mkdir(parents=True, exist_ok=True)
+    if ns.workers is not None:
+        suite["workers"] = ns.workers
+        overrides.append(f"workers={ns.workers}")
+    suite["dp_size"] = ns.dp_size
+    if ns.dp_size > 1:
+        overrides.append(f"dp_size={ns.dp_size}")
     fleet = BenchFleet(suite["workers"], suite["engine"], verbose=ns.verbose, progress=progress,
                        targets_enabled=enabled, kv_events=suite["kv_events"],
-                       router_args={"kv_aware": knobs} if knobs else {}, decision_log_dir=dump)
+                       router_args={"kv_aware": knobs} if knobs else {}, decision_log_dir=dump,
+                       dp_size=ns.dp_size)
     trials: list[dict] = []
     overhead: list[dict] = []
     try:

@@ -33,10 +33,18 @@ SGLANG_NODELAY_NOTE = (
 )
 
 
-def sglang_router_argv(policy: str, port: int, urls: tuple[str, ...], prometheus_port: int) -> list[str]:
+# a DP-attention fleet (workers with dp_size > 1): sglang-router's own mode for it, which asks each
+# worker's /get_server_info for dp_size, registers one `url@rank` worker per rank and inserts
+# `data_parallel_rank` into every forwarded body
+SGLANG_DP_FLAGS = ("--dp-aware",)
+
+
+def sglang_router_argv(policy: str, port: int, urls: tuple[str, ...], prometheus_port: int,
+                       dp_aware: bool = False) -> list[str]:
     """How a sglang-router target is started (the nodelay variant adds only LD_PRELOAD)."""
     return [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls,
-            *SGLANG_ROUTER_FLAGS[policy], "--host", "127.0.0.1", "--port", str(port),
+            *SGLANG_ROUTER_FLAGS[policy], *(SGLANG_DP_FLAGS if dp_aware else ()),
+            "--host", "127.0.0.1", "--port", str(port),
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port), *SGLANG_COMMON_FLAGS]
 
 

@@ -52,7 +52,7 @@ from ray.serve.config import RequestRouterConfig
 
 from bench.loadgen import Target
 from bench.sglang_peer import (NODELAY_BY_DEFAULT, NODELAY_SUFFIX, SGLANG_COMMON_FLAGS, SGLANG_NODELAY_NOTE,
-                               SGLANG_POLICIES, SGLANG_ROUTER_FLAGS,
+                               SGLANG_DP_FLAGS, SGLANG_POLICIES, SGLANG_ROUTER_FLAGS,
                                SGLANG_STALL_NOTE, _sglang_router_version, sglang_router_argv)
 from serve_app.config import RouterConfig
 from serve_app.proxy import UpstreamClient, UpstreamError, forward_headers
@@ -244,6 +244,7 @@ class BenchFleet:
     decision_log_dir: Path | None = None  # every kvroute target logs its decisions there
     kv_events: bool = False  # engines publish KV events + the kv_aware exact-mode target (see run.py)
     router_args: dict[str, Any] = field(default_factory=dict)  # RouterConfig fields for every kvroute app
+    dp_size: int = 1  # attention-DP ranks per worker (sim --dp-size; sglang-router then runs --dp-aware)
     tmpdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="kvroute-bench-"))
     serve_port: int = 0
     worker_urls: dict[str, str] = field(default_factory=dict)
@@ -269,6 +270,7 @@ class BenchFleet:
                 # engine's timing is unchanged and the other targets ignore them)
                 **({"kv_events_endpoint": "auto"} if self.kv_events else {}),
                 "engine_args": {k: v for k, v in self.engine_args.items() if k != "page_size"},
+                **({"dp_size": self.dp_size} if self.dp_size > 1 else {}),
             })
         return {"workers": ws}
 
@@ -371,7 +373,7 @@ class BenchFleet:
                     continue
                 port = free_port()
                 self._start_sglang_router(name, policy, port, urls, nodelay=nodelay)
-                flags = " ".join(SGLANG_ROUTER_FLAGS[policy])
+                flags = " ".join((*SGLANG_ROUTER_FLAGS[policy], *(SGLANG_DP_FLAGS if self.dp_size > 1 else ())))
                 if nodelay:
                     label = f"sglang-router {policy}, TCP_NODELAY forced"
                     notes = SGLANG_NODELAY_NOTE.format(version=version)
@@ -386,7 +388,7 @@ class BenchFleet:
 
     def _start_sglang_router(self, name: str, policy: str, port: int, urls: tuple[str, ...],
                              nodelay: bool = False) -> None:
-        argv = sglang_router_argv(policy, port, urls, free_port())
+        argv = sglang_router_argv(policy, port, urls, free_port(), dp_aware=self.dp_size > 1)
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         if nodelay:
             from bench.nodelay import shim_path
