@@ -220,9 +220,9 @@ def _print_banner(url: str, router: RouterConfig, models: list[str] | None = Non
 
 
 def demo_fleet(n: int, *, tmpdir: str, base_port: int | None = None, wire: str = "0.5.23",
-               time_scale: float = 1.0, models: list[str] | None = None) -> FleetSpec:
+               time_scale: float = 1.0, models: list[str] | None = None, dp_size: int = 1) -> FleetSpec:
     """N simulated SGLang workers, each launched by its actor, metrics on ipc:// in `tmpdir`;
-    with `models`, worker i serves models[i % len(models)]."""
+    with `models`, worker i serves models[i % len(models)]; each with `dp_size` attention-DP ranks."""
     workers = []
     for i in range(n):
         w: dict[str, Any] = {
@@ -236,6 +236,8 @@ def demo_fleet(n: int, *, tmpdir: str, base_port: int | None = None, wire: str =
             w["url"] = f"http://127.0.0.1:{base_port + i}"
         if models:
             w["model"] = models[i % len(models)]
+        if dp_size > 1:
+            w["dp_size"] = dp_size
         workers.append(w)
     return parse_fleet({"workers": workers}, "demo")
 
@@ -252,8 +254,12 @@ def cmd_demo(ns: argparse.Namespace) -> int:
         print(f"kvroute: --models names {len(models)} models: --workers must be at least {len(models)}",
               file=sys.stderr)
         return 2
+    if not 1 <= ns.dp_size <= 64:
+        print("kvroute: --dp-size must be 1..64", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="kvroute-demo-") as tmp:
-        fleet = demo_fleet(ns.workers, tmpdir=tmp, wire=ns.wire, time_scale=ns.time_scale, models=models)
+        fleet = demo_fleet(ns.workers, tmpdir=tmp, wire=ns.wire, time_scale=ns.time_scale, models=models,
+                           dp_size=ns.dp_size)
         return _run(fleet, ns, live_table=not ns.no_table)
 
 
@@ -346,6 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--models", default=None, help="comma-separated model names: a multi-model fleet, workers split "
                    "between them (e.g. --models A,B)")
     d.add_argument("--time-scale", type=float, default=1.0, help="simulated engine time scale (<1 = faster)")
+    d.add_argument("--dp-size", type=int, default=1, help="attention-DP ranks per simulated worker: the router "
+                   "picks worker and rank (default 1)")
     d.add_argument("--no-table", action="store_true", help="do not draw the live worker table")
     common(d)
     d.set_defaults(func=cmd_demo)

@@ -172,3 +172,10 @@ def test_fleet_dp_size_is_validated_and_reaches_the_engine():
                                      "engine_args": {"dp_size": 2, "enable_dp_attention": True}}]}).workers[0]
     cmd, _ = build_command(same, host="127.0.0.1", port=1, metrics_endpoint="ipc:///tmp/x")
     assert cmd.count("--dp-size") == 1 and "--enable-dp-attention" in cmd
+
+
+def test_the_demo_fleet_can_run_dp_workers():
+    from serve_app.cli import build_parser, demo_fleet
+
+    assert build_parser().parse_args(["demo", "--dp-size", "2"]).dp_size == 2
+    assert [w.dp_size for w in demo_fleet(2, tmpdir="/tmp/kvroute-test", dp_size=2).workers] == [2, 2]
