@@ -102,3 +102,55 @@ def test_route_names_the_rank_and_workers_lists_every_rank(env):
              20, what="both ranks of both workers reporting KvMetrics")
     for w in env["up"]().values():
         assert len(w["in_flight_by_rank"]) == 2
+
+
+@pytest.fixture(scope="module")
+def exact_env(ray_cluster, serve_port, tmp_path_factory):
+    """One managed sim with --dp-size 2 publishing KV events (rank r on the actor's port + r), behind a
+    router in exact prefix mode."""
+    import ray
+    from ray import serve
+
+    from actors.aggregator import get_or_create_aggregator
+    from actors.worker_actor import start_worker_actor
+    from serve_app.app import build_app
+
+    tmp = tmp_path_factory.mktemp("dp-exact")
+    fleet = parse_fleet({"workers": [
+        {"name": "dpx0", "engine": "sim", "page_size": 16, "dp_size": 2, "kv_events_endpoint": "auto",
+         "metrics_endpoint": f"ipc://{tmp}/x.metrics", "engine_args": {"time_scale": 0.2, "max_total_num_tokens": 65536}},
+    ]})
+    actors = {w.name: start_worker_actor(w, fleet.settings, name_prefix="dpx-") for w in fleet.workers}
+    infos = {n: ray.get(a.ready.remote(), timeout=120) for n, a in actors.items()}
+    serve.run(build_app({"fleet": fleet.model_dump(mode="json"), "manage_fleet": False,
+                         "router": {"policy": "kv_aware", "tokenizer": "sim", "block_size": 16, "seed": 5}}),
+              name="dp-exact", route_prefix="/dp-exact")
+    client = httpx.Client(base_url=f"http://127.0.0.1:{serve_port}/dp-exact", timeout=60)
+    wait_for(lambda: any(w["name"] == "dpx0" and w["state"] != "down" for w in client.get("/workers").json()["workers"]),
+             30, what="dpx0 up")
+    yield {"client": client, "url": infos["dpx0"].url}
+    client.close()
+    serve.delete("dp-exact")
+    ray.get([a.stop.remote() for a in actors.values()], timeout=30)
+    for a in actors.values():
+        ray.kill(a, no_restart=True)
+    agg = get_or_create_aggregator(fleet.settings)
+    ray.get([agg.remove.remote("dpx0")], timeout=30)
+
+
+def _overlap(decision: dict) -> int:
+    reason = decision["reason"]
+    return int(reason.split("overlap=")[1].split("/")[0]) if "overlap=" in reason else 0
+
+
+@pytest.mark.parametrize("rank", [1, 0])
+def test_kv_events_make_the_rank_that_cached_a_prefix_its_target(exact_env, rank):
+    c, url = exact_env["client"], exact_env["url"]
+    prompt = f"a DP rank probe number {rank} about herons and lighthouses " * 30
+    body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": prompt}]}
+    # straight to the engine, pinned: only that rank's KV events can tell the router where it is cached
+    r = httpx.post(f"{url}/v1/chat/completions", json={**body, "routed_dp_rank": rank}, timeout=30)
+    assert r.status_code == 200, r.text
+    d = wait_for(lambda: (x := c.post("/route", json=body).json())["rank"] == rank and _overlap(x) >= 20 and x, 15,
+                 what=f"the router routing to rank {rank} by exact overlap")
+    assert d["worker"] == "dpx0"
