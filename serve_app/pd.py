@@ -1,0 +1,359 @@
+"""Prefill/decode disaggregation on the request path: pick a pair, inject SGLang's bootstrap fields, drive both.
+
+The protocol (verified against SGLang 0.5.23 and sglang-router's PD router) is written down in
+docs/pd.md. In short: the same body, with `bootstrap_host` / `bootstrap_port` (the prefill server's
+host and --disaggregation-bootstrap-port) and a random 63-bit `bootstrap_room`, goes to the prefill
+and to the decode server at once; the client gets the decode server's response; the prefill
+server's response is read to its end and dropped. The pair is chosen by the request's policy
+applied to the prefill workers, then to the decode workers (`RouterCore.decide(role=...)`).
+
+Unlike sglang-router, which never looks at the prefill response (it fires and forgets it), kvroute
+watches it until the decode side's first byte: a prefill server that fails (refused, reset,
+retryable status) leaves its decode peer waiting for a KV cache that never comes (SGLang's
+SGLANG_DISAGGREGATION_WAITING_TIMEOUT, 300 s), so the decode request is cancelled and the pair
+retried without that worker. A decode side that fails before its first byte is retried the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, AsyncIterator
+from urllib.parse import urlsplit
+
+from serve_app.http import HttpError, Request, Send, send_body, send_stream
+from serve_app.policies import Decision, NoWorkerAvailable, RouteRequest
+from serve_app.proxy import UPSTREAM_ERRORS, Upstream, UpstreamError, forward_headers, sse_error_event
+from serve_app.router import RequestTicket, RouterCore
+
+if TYPE_CHECKING:
+    from serve_app.forward import Forwarder
+
+logger = logging.getLogger("kvroute.router")
+
+PREFILL = "prefill"
+DECODE = "decode"
+ROOM_MAX = 2**63 - 1  # sglang-router: a random u64 masked to [0, 2^63 - 1] (Python's randint(0, 2**63 - 1))
+PREFILL_WORKER_HEADER = "x-kvroute-prefill-worker"
+
+
+# --- the bootstrap fields (pure) ---------------------------------------------------------------
+
+
+def bootstrap_host(url: str) -> str:
+    """The host part of a worker URL, as sglang-router's `get_hostname` takes it (IPv6 without brackets)."""
+    host = urlsplit(url).hostname
+    if not host:
+        raise ValueError(f"no host in worker URL {url!r}")
+    return host
+
+
+def batch_size(path: str, body: dict[str, Any]) -> int | None:
+    """How many requests one body carries, where SGLang wants one bootstrap room per request (None:
+    one). As sglang-router counts: chat `n` > 1, a list of completion prompts, and — for /generate —
+    a list of texts or of token-id lists."""
+    if path.endswith("/chat/completions"):
+        n = body.get("n")
+        return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else None
+    if path.endswith("/completions"):
+        p = body.get("prompt")
+        return len(p) if isinstance(p, list) and p and not isinstance(p[0], int) else None
+    if path.startswith("/generate"):
+        t, ids = body.get("text"), body.get("input_ids")
+        if isinstance(t, list) and t:
+            return len(t)
+        if isinstance(ids, list) and ids and isinstance(ids[0], list):
+            return len(ids)
+    return None
+
+
+def with_bootstrap(body: dict[str, Any], host: str, port: int | None, rooms: list[int],
+                   batch: int | None) -> dict[str, Any]:
+    """`body` with the three bootstrap fields set (a copy): scalars for one request, lists of
+    `batch` for a batch (`rooms` holds one room per request)."""
+    out = dict(body)
+    if batch is None:
+        out.update(bootstrap_host=host, bootstrap_port=port, bootstrap_room=rooms[0])
+    else:
+        out.update(bootstrap_host=[host] * batch, bootstrap_port=[port] * batch, bootstrap_room=list(rooms))
+    return out
+
+
+def new_rooms(rng: random.Random, batch: int | None) -> list[int]:
+    return [rng.randint(0, ROOM_MAX) for _ in range(batch or 1)]
+
+
+# --- the pair ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PairDecision:
+    """The prefill and decode worker chosen for one request."""
+
+    prefill: Decision
+    decode: Decision
+    bootstrap_port: int | None
+
+    def as_json(self) -> dict[str, Any]:
+        """What `/route` says: the decode worker answers the client (`worker`), both are named."""
+        d, p = self.decode, self.prefill
+        return {"worker": d.worker, "url": d.url, "policy": d.policy, "reason": d.reason, "disaggregated": True,
+                "prefill": {"worker": p.worker, "url": p.url, "reason": p.reason,
+                            "bootstrap_host": bootstrap_host(p.url), "bootstrap_port": self.bootstrap_port},
+                "decode": {"worker": d.worker, "url": d.url, "reason": d.reason}}
+
+
+def decode_facts(request: RouteRequest) -> RouteRequest:
+    """What the decode side is chosen on: the prompt's size but no prefix affinity — a decode server
+    holds no prefix cache of its own (SGLang's --disaggregation-decode-enable-radix-cache is off by
+    default): every request's KV arrives from its prefill server."""
+    return replace(request, block_hashes=(), token_ids=())
+
+
+def decide_pair(core: RouterCore, request: RouteRequest, policy: str | None, model: str | None,
+                exclude: set[str] | frozenset[str] = frozenset()) -> PairDecision:
+    """The pair a request would go to (nothing booked). Raises NoWorkerAvailable naming the side."""
+    p, _ = core.decide(request, policy, exclude, model, role=PREFILL)
+    d, _ = core.decide(decode_facts(request), policy, exclude, model, role=DECODE)
+    return PairDecision(p, d, core.bootstrap_port(p.worker))
+
+
+def route_pair(core: RouterCore, request: RouteRequest, policy: str | None, model: str | None,
+               exclude: set[str] | frozenset[str] = frozenset()) -> tuple[RequestTicket, RequestTicket]:
+    """Decide and book both sides in the ledger (the prefill ticket carries the prefix overlap, the
+    decode ticket none). Raises NoWorkerAvailable (nothing stays booked)."""
+    prefill = core.route(request, policy, exclude, model, role=PREFILL)
+    try:
+        decode = core.route(decode_facts(request), policy, exclude, model, role=DECODE)
+    except BaseException:
+        prefill.failed()
+        raise
+    return prefill, decode
+
+
+# --- dispatch ------------------------------------------------------------------------------------
+
+
+class _Retry(Exception):
+    """One side failed before the decode side's first byte: try another pair without `worker`."""
+
+    def __init__(self, side: str, worker: str, detail: str, retry_after: str | None = None) -> None:
+        super().__init__(f"{side} worker {worker}: {detail}")
+        self.worker = worker
+        self.retry_after = retry_after
+
+
+class PdDispatch:
+    """Drives prefill/decode pairs for one router replica (a part of `Forwarder`)."""
+
+    def __init__(self, fw: "Forwarder") -> None:
+        self.fw = fw
+        self.rng = random.Random()  # rooms must differ across replicas: never the router's seeded rng
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def forward(self, request: Request, send: Send, path: str, body: dict[str, Any], facts: RouteRequest,
+                      policy: str, model: str | None) -> None:
+        fw, m = self.fw, self.fw.metrics
+        headers = forward_headers(request.headers)
+        headers["content-type"] = "application/json"
+        batch = batch_size(path, body)
+        tried: set[str] = set()
+        failures: list[str] = []
+        retry_after: str | None = None
+        for attempt in range(fw.config.max_attempts):
+            try:
+                prefill, decode = route_pair(fw.core, facts, policy, model, tried | fw.breakers.blocked())
+            except NoWorkerAvailable as exc:
+                if not failures:
+                    m.requests.labels(policy, "", "no_worker").inc()
+                    raise HttpError(503, f"{exc}; open breakers: {sorted(fw.breakers.blocked()) or 'none'}",
+                                    code="no_worker", headers={"retry-after": "1"}) from None
+                break
+            port = fw.core.bootstrap_port(prefill.worker)
+            rooms = new_rooms(self.rng, batch)
+            raw = json.dumps(with_bootstrap(body, bootstrap_host(prefill.url), port, rooms, batch)).encode()
+            try:
+                await self._attempt(send, path, raw, headers, prefill, decode, policy, body.get("stream") is True)
+                return
+            except _Retry as exc:
+                tried.add(exc.worker)
+                failures.append(str(exc))
+                retry_after = exc.retry_after or retry_after
+                m.retries.labels(exc.worker).inc()
+                logger.info("PD attempt %d (prefill %s, decode %s, room %d) failed before the first byte: %s",
+                            attempt + 1, prefill.worker, decode.worker, rooms[0], exc)
+                await asyncio.sleep(min(0.5, 0.02 * (2**attempt)) * random.uniform(0.5, 1.5))
+        m.requests.labels(policy, "", "unavailable").inc()
+        raise HttpError(503, f"no prefill/decode pair could serve the request after {len(failures)} attempt(s): "
+                        + "; ".join(failures[-3:]), code="upstream_unavailable",
+                        headers={"retry-after": retry_after or "1"})
+
+    async def _attempt(self, send: Send, path: str, raw: bytes, headers: dict[str, str], prefill: RequestTicket,
+                       decode: RequestTicket, policy: str, stream: bool) -> None:
+        """One pair: both requests at once; relay decode's answer once its first byte is in. Raises
+        _Retry if either side fails before that (both tickets ended, both connections closed)."""
+        fw = self.fw
+        for t in (prefill, decode):
+            fw.breakers.on_dispatch(t.worker)
+        t0 = time.perf_counter()
+        p_task = asyncio.ensure_future(fw.upstream.open(prefill.worker, "POST", prefill.url + path, content=raw,
+                                                        headers=headers))
+        d_task = asyncio.ensure_future(fw.upstream.open(decode.worker, "POST", decode.url + path, content=raw,
+                                                        headers=headers))
+        first: asyncio.Future[Any] | None = None
+        handed_over = False  # the prefill side is in `_settle_prefill`'s hands
+        up: Upstream | None = None
+        chunks: AsyncIterator[bytes] | None = None
+        try:
+            while True:
+                waiting = {d_task if up is None else first}
+                if not handed_over:
+                    waiting.add(p_task)
+                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if not handed_over and p_task.done():
+                    exc = p_task.exception()
+                    if isinstance(exc, UpstreamError):
+                        self._breaker(prefill.worker, exc.counts_for_breaker)
+                        raise _Retry(PREFILL, prefill.worker, str(exc).split(": ", 1)[-1], exc.retry_after)
+                    if exc is not None:
+                        raise exc
+                    p_up = p_task.result()
+                    if p_up.status_code >= 400:  # a client error the decode side may never see: relay it
+                        await self._relay_prefill_error(send, p_up, prefill)
+                        return
+                    handed_over = True
+                    self._spawn(self._settle_prefill(p_up, prefill))
+                if up is None and d_task.done():
+                    exc = d_task.exception()
+                    if isinstance(exc, UpstreamError):
+                        self._breaker(decode.worker, exc.counts_for_breaker)
+                        raise _Retry(DECODE, decode.worker, str(exc).split(": ", 1)[-1], exc.retry_after)
+                    if exc is not None:
+                        raise exc
+                    up = d_task.result()
+                    if up.status_code >= 400:  # not retryable (4xx): the client's answer, like sglang-router
+                        first = asyncio.ensure_future(up.read())
+                    else:
+                        chunks = up.chunks(fw.config.stream_batching_interval_ms / 1e3) if stream else None
+                        first = asyncio.ensure_future(chunks.__anext__() if chunks is not None else up.read())
+                    continue
+                if first is not None and first.done():
+                    break
+            try:
+                piece = first.result()
+            except StopAsyncIteration:
+                piece = b""
+            except UPSTREAM_ERRORS as exc:
+                self._breaker(decode.worker, True)
+                raise _Retry(DECODE, decode.worker, f"{type(exc).__name__} before the first byte") from None
+        except BaseException:
+            for task in (d_task, first) if handed_over else (d_task, first, p_task):
+                if task is not None:
+                    await _discard(task)
+            if up is not None:
+                await up.close()
+            if not handed_over:
+                prefill.failed()
+            decode.failed()
+            raise
+        # the decode side's first byte is in: from here on the client gets what it sends
+        decode.first_token()
+        fw.metrics.ttft_seconds.labels(decode.worker).observe(time.perf_counter() - t0)
+        if not handed_over:  # the prefill answer is late (it is read to its end in the background)
+            self._spawn(self._settle_prefill_task(p_task, prefill))
+        out_headers = up.headers()
+        out_headers["x-kvroute-worker"] = decode.worker
+        out_headers[PREFILL_WORKER_HEADER] = prefill.worker
+        if chunks is None:  # a whole body (non-streamed, or an error status)
+            await up.close()
+            fw._finished(decode, t0, up.status_code, policy)
+            await send_body(send, up.status_code, piece, content_type=None, headers=out_headers)
+            return
+        if up.content_type:
+            out_headers.pop("content-type", None)
+        await send_stream(send, up.status_code, self._relay(piece, chunks, up, decode, t0, policy),
+                          content_type=up.content_type or "text/event-stream", headers=out_headers)
+
+    async def _relay(self, first: bytes, chunks: AsyncIterator[bytes], up: Upstream, ticket: RequestTicket,
+                     t0: float, policy: str) -> AsyncIterator[bytes]:
+        """The decode side's stream, its first piece already read; a break ends it with an error event."""
+        outcome = "cancelled"
+        try:
+            if first:
+                yield first
+            async for chunk in chunks:
+                yield chunk
+            outcome = "ok"
+        except UPSTREAM_ERRORS as exc:
+            outcome = "broken"
+            logger.warning("stream from decode worker %s broke after it started: %s", ticket.worker,
+                           type(exc).__name__)
+            yield sse_error_event(f"decode worker {ticket.worker} failed mid-stream ({type(exc).__name__})")
+        finally:
+            await up.close()
+            if outcome == "ok":
+                self.fw._finished(ticket, t0, up.status_code, policy)
+            else:
+                self.fw._failed(ticket, outcome == "broken")
+                self.fw.metrics.requests.labels(policy, ticket.worker, outcome).inc()
+
+    async def _relay_prefill_error(self, send: Send, up: Upstream, ticket: RequestTicket) -> None:
+        try:
+            content = await up.read()
+        finally:
+            await up.close()
+        ticket.first_token()
+        ticket.finished()
+        await send_body(send, up.status_code, content, content_type=None,
+                        headers={**up.headers(), PREFILL_WORKER_HEADER: ticket.worker})
+
+    async def _settle_prefill(self, up: Upstream, ticket: RequestTicket) -> None:
+        """The prefill answer came (its prefill and KV transfer are done): read it to its end, drop it."""
+        ticket.first_token()
+        try:
+            await up.read()
+        except UPSTREAM_ERRORS as exc:
+            logger.info("prefill worker %s: its answer broke off (%s); the decode side has its KV",
+                        ticket.worker, type(exc).__name__)
+        finally:
+            await up.close()
+            ticket.finished()
+        self.fw.breakers.on_success(ticket.worker)
+
+    async def _settle_prefill_task(self, task: asyncio.Future[Upstream], ticket: RequestTicket) -> None:
+        try:
+            up = await task
+        except UpstreamError as exc:
+            ticket.failed()
+            logger.info("prefill worker %s failed after its decode peer started: %s", ticket.worker, exc)
+            return
+        except BaseException:
+            ticket.failed()
+            raise
+        await self._settle_prefill(up, ticket)
+
+    def _breaker(self, worker: str, counts: bool) -> None:
+        if counts and self.fw.breakers.on_failure(worker):
+            self.fw.metrics.breaker_opened.labels(worker).inc()
+            logger.warning("worker %s: circuit breaker opened", worker)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+async def _discard(task: asyncio.Future[Any]) -> None:
+    """Cancel an upstream open/read; close what it opened (that is what makes SGLang abort the request)."""
+    if not task.done():
+        task.cancel()
+    try:
+        result = await task
+    except BaseException:
+        return
+    if isinstance(result, Upstream):
+        await result.close()
