@@ -114,11 +114,21 @@ def decode_facts(request: RouteRequest) -> RouteRequest:
     return replace(request, block_hashes=(), token_ids=())
 
 
+def _side(role: str, choose: Any) -> Any:
+    """`choose()`, its NoWorkerAvailable naming the side (a policy's own message does not)."""
+    try:
+        return choose()
+    except NoWorkerAvailable as exc:
+        if f"{role} worker" in str(exc):
+            raise
+        raise NoWorkerAvailable(f"no routable {role} worker: {exc}") from None
+
+
 def decide_pair(core: RouterCore, request: RouteRequest, policy: str | None, model: str | None,
                 exclude: set[str] | frozenset[str] = frozenset()) -> PairDecision:
     """The pair a request would go to (nothing booked). Raises NoWorkerAvailable naming the side."""
-    p, _ = core.decide(request, policy, exclude, model, role=PREFILL)
-    d, _ = core.decide(decode_facts(request), policy, exclude, model, role=DECODE)
+    p, _ = _side(PREFILL, lambda: core.decide(request, policy, exclude, model, role=PREFILL))
+    d, _ = _side(DECODE, lambda: core.decide(decode_facts(request), policy, exclude, model, role=DECODE))
     return PairDecision(p, d, core.bootstrap_port(p.worker))
 
 
@@ -126,9 +136,9 @@ def route_pair(core: RouterCore, request: RouteRequest, policy: str | None, mode
                exclude: set[str] | frozenset[str] = frozenset()) -> tuple[RequestTicket, RequestTicket]:
     """Decide and book both sides in the ledger (the prefill ticket carries the prefix overlap, the
     decode ticket none). Raises NoWorkerAvailable (nothing stays booked)."""
-    prefill = core.route(request, policy, exclude, model, role=PREFILL)
+    prefill = _side(PREFILL, lambda: core.route(request, policy, exclude, model, role=PREFILL))
     try:
-        decode = core.route(decode_facts(request), policy, exclude, model, role=DECODE)
+        decode = _side(DECODE, lambda: core.route(decode_facts(request), policy, exclude, model, role=DECODE))
     except BaseException:
         prefill.failed()
         raise

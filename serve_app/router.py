@@ -255,7 +255,7 @@ class RouterCore:
         group = ("*" if model is None else model if model in self._by_model else None, role)
         hit = self._model_fleets.get(group)
         if hit is None:
-            names = frozenset(self.fleet.names() if model is None else self.serving(model))
+            names = frozenset(self.fleet.names if model is None else self.serving(model))
             if role is not None:
                 names = frozenset(n for n in names if self._roles.get(n, ("both",))[0] == role)
             whole = len(names) == len(self.fleet) and all(v.name in names for v in self.fleet)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -110,6 +111,7 @@ class PrefillSide:
         self.rooms: dict[int, _Room] = {}
         self.transfers = 0
         self.bootstrap_timeouts = 0
+        self.recent_rooms: deque[int] = deque(maxlen=64)  # rooms whose KV went out, newest last
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
@@ -175,6 +177,7 @@ class PrefillSide:
                 raise exc from None
             await asyncio.sleep((c.transfer_base_s + c.transfer_per_token_s * uncached_tokens) * self.time_scale)
             self.transfers += 1
+            self.recent_rooms.append(bootstrap.room)
             if not room.kv.done():
                 room.kv.set_result({"room": bootstrap.room, "prompt_tokens": prompt_tokens,
                                     "transferred_tokens": uncached_tokens})
@@ -191,6 +194,7 @@ class DecodeSide:
         self.time_scale = time_scale
         self.waiting_timeouts = 0
         self.received = 0
+        self.recent_rooms: deque[int] = deque(maxlen=64)  # rooms whose KV came in, newest last
         self._session: aiohttp.ClientSession | None = None
 
     async def stop(self) -> None:
@@ -223,4 +227,5 @@ class DecodeSide:
             raise DisaggFailure(f"Request {bootstrap.room}: cannot reach the bootstrap server "
                                 f"{bootstrap.host}:{bootstrap.port} ({type(exc).__name__})") from None
         self.received += 1
+        self.recent_rooms.append(bootstrap.room)
         return body

@@ -359,9 +359,10 @@ class SimServer:
         p, d = self.prefill_side, self.decode_side
         if p is not None:
             return {"mode": "prefill", "transfers": p.transfers, "bootstrap_timeouts": p.bootstrap_timeouts,
-                    "open_rooms": len(p.rooms)}
+                    "open_rooms": len(p.rooms), "recent_rooms": list(p.recent_rooms)}
         if d is not None:
-            return {"mode": "decode", "received": d.received, "waiting_timeouts": d.waiting_timeouts}
+            return {"mode": "decode", "received": d.received, "waiting_timeouts": d.waiting_timeouts,
+                    "recent_rooms": list(d.recent_rooms)}
         return None
 
     def _load_snapshot(self) -> dict[str, Any]:
