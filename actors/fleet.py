@@ -94,7 +94,8 @@ class WorkerSpec(BaseModel):
     )
     bootstrap_port: int | None = Field(
         None, ge=1, le=65535, description="role: prefill only, and required there: the server's "
-        "--disaggregation-bootstrap-port (SGLang's default is 8998); the decode side fetches the KV from it",
+        "--disaggregation-bootstrap-port (SGLang's default is 8998); the decode side fetches the KV from it. "
+        "Managed mode passes it (and --disaggregation-mode) to the engine; replicas get bootstrap_port + i",
     )
 
     @field_validator("name")
@@ -212,8 +213,9 @@ class FleetSpec(BaseModel):
             if w.replicas == 1:
                 out.append(w)
                 continue
-            for i in range(w.replicas):
-                out.append(w.model_copy(update={"name": f"{w.name}-{i}", "replicas": 1}))
+            for i in range(w.replicas):  # a prefill replica's bootstrap server needs a port of its own
+                port = {"bootstrap_port": w.bootstrap_port + i} if w.bootstrap_port is not None else {}
+                out.append(w.model_copy(update={"name": f"{w.name}-{i}", "replicas": 1, **port}))
         return out
 
 
