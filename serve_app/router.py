@@ -94,6 +94,7 @@ class RouterCore:
         get_policy(self.default_policy)  # unknown default → error at start, not per request
         self._policies = {name: get_policy(name) for name in POLICIES}
         self._policies["kv_aware"] = KvAware(config.kv_aware)
+        self._side_policies: dict[tuple[str, str], Any] = {}  # PD: (role, name) → that side's instance
         self._base: dict[str, WorkerView] = {}
         # per model: which workers serve it (a worker may serve several names: aliases)
         self._served: dict[str, tuple[str, ...]] = {}  # worker → its model names (absent: unknown)
@@ -296,6 +297,17 @@ class RouterCore:
             get_policy(name)  # raises UnknownPolicy listing the valid names
         return p
 
+    def _role_policy(self, name: str | None, role: str) -> Any:
+        """The policy instance for one PD side: each side keeps its own (a round_robin cycle shared by
+        both sides would pair the same workers for ever; sglang-router also keeps one per side)."""
+        policy = self.policy(name)
+        key = (role, policy.name)
+        p = self._side_policies.get(key)
+        if p is None:
+            p = self._side_policies[key] = KvAware(self.config.kv_aware) if policy.name == "kv_aware" \
+                else get_policy(policy.name)
+        return p
+
     def decide(
         self, request: RouteRequest, policy_name: str | None = None, exclude: set[str] | frozenset[str] = frozenset(),
         model: str | None = None, role: str | None = None,
@@ -305,7 +317,7 @@ class RouterCore:
         already failed for this request). Returns the decision and the request with the prefix
         overlap it was decided on — pass that one to `on_routed`, so the ledger charges only the
         blocks the worker must still prefill."""
-        policy = self.policy(policy_name)
+        policy = self.policy(policy_name) if role is None else self._role_policy(policy_name, role)
         if request.block_hashes:
             overlap = self.prefix.overlap(self._prefix_keys(request.block_hashes, model))
             synced = self.kv_follower.synced if self.kv_follower is not None else ()

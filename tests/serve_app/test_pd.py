@@ -114,6 +114,16 @@ def test_the_pair_is_one_prefill_and_one_decode_worker_under_every_policy():
             assert pair.bootstrap_port == 8998
 
 
+def test_round_robin_cycles_each_side_on_its_own():
+    """One cycle shared by both sides would pair p1 with d0 for ever on a 2+2 fleet."""
+    core, clock = make_core(policy="round_robin")
+    for name, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"), ("d1", "decode")):
+        put(core, clock, name, role)
+    pairs = [(p.worker, d.worker) for p, d in (route_pair(core, core.facts(chat(f"s{i}")), None, None)
+                                               for i in range(8))]
+    assert {p for p, _ in pairs} == {"p0", "p1"} and {d for _, d in pairs} == {"d0", "d1"}
+
+
 def test_prefill_side_follows_the_prefix_and_decode_side_the_load():
     """kv_aware on the prefill subset keeps a shared prefix on the prefill worker that has it; on
     the decode subset (no prefix cache there) it takes the less loaded decode worker."""
