@@ -137,7 +137,9 @@ SUITES: dict[str, dict[str, Any]] = {
         "warmup_s": 0.5,
         "drain_s": 30.0,
         "workloads": {
-            "shared_prefix": {"rates": [8, 16], "params": SP},
+            # 4 groups: the 2 prefill sims' pools hold 6 system prompts (as 4 workers hold 12 for 8 groups
+            # in the other suites), so where a request's prefill lands decides whether it is cached
+            "shared_prefix": {"rates": [8, 16], "params": {**SP, "groups": 4}},
             "no_sharing": {"rates": [8, 16], "params": NS},
         },
         "targets": ["kvroute-kv_aware", "kvroute-round_robin", "sglang-pd-cache_aware", "sglang-pd-round_robin"],
