@@ -57,9 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     pd = p.add_argument_group("prefill/decode disaggregation (sim.disagg, docs/pd.md)")
     pd.add_argument("--disaggregation-mode", choices=["null", "prefill", "decode"], default="null",
                     help="SGLang's flag: prefill (runs a bootstrap server, transfers KV) or decode (fetches it)")
-    pd.add_argument("--disaggregation-bootstrap-port", type=int, default=8998,
+    pdf = DisaggConfig.model_fields
+    pd.add_argument("--disaggregation-bootstrap-port", type=int, default=pdf["bootstrap_port"].default,
                     help="prefill: the bootstrap server's port (SGLang's default 8998)")
-    pd.add_argument("--disaggregation-transfer-per-token-us", type=float, default=5.0,
+    pd.add_argument("--disaggregation-transfer-per-token-us", type=float,
+                    default=pdf["transfer_per_token_s"].default * 1e6,
                     help="modelled KV transfer time per uncached prompt token (default 5 µs)")
     pd.add_argument("--disaggregation-bootstrap-timeout", type=float, default=None,
                     help="prefill: seconds a prefilled request waits for its decode peer "
