@@ -558,7 +558,10 @@ class BenchFleet:
 
     async def stats(self, client: httpx.AsyncClient) -> dict[str, dict[str, Any]]:
         async def one(name: str, url: str) -> tuple[str, dict[str, Any]]:
-            return name, (await client.get(url + "/sim/stats")).json()
+            try:
+                return name, (await client.get(url + "/sim/stats")).json()
+            except httpx.RemoteProtocolError:  # a kept-alive connection the sim closed (uvicorn: 5 s idle) just then
+                return name, (await client.get(url + "/sim/stats")).json()
 
         return dict(await asyncio.gather(*(one(n, u) for n, u in self.worker_urls.items())))
 

@@ -157,6 +157,14 @@ class _Retry(Exception):
         self.retry_after = retry_after
 
 
+class _Answered(Exception):
+    """The client already has its answer (the prefill side's error status)."""
+
+
+def _sse_error(body: bytes) -> bool:
+    return body.startswith(b"data: ") and b'data: {"error"' in body
+
+
 class PdDispatch:
     """Drives prefill/decode pairs for one router replica (a part of `Forwarder`)."""
 
@@ -210,46 +218,41 @@ class PdDispatch:
         for t in (prefill, decode):
             fw.breakers.on_dispatch(t.worker)
         t0 = time.perf_counter()
-        p_task = asyncio.ensure_future(fw.upstream.open(prefill.worker, "POST", prefill.url + path, content=raw,
-                                                        headers=headers))
+        # the prefill side: its whole answer (tiny: one token), which comes once its KV is handed over
+        p_task = asyncio.ensure_future(self._prefill_call(prefill, prefill.url + path, raw, headers))
         d_task = asyncio.ensure_future(fw.upstream.open(decode.worker, "POST", decode.url + path, content=raw,
                                                         headers=headers))
         first: asyncio.Future[Any] | None = None
-        handed_over = False  # the prefill side is in `_settle_prefill`'s hands
         up: Upstream | None = None
         chunks: AsyncIterator[bytes] | None = None
+        prefill_done = False
         try:
             while True:
-                waiting = {d_task if up is None else first}
-                if not handed_over:
+                waiting = {d_task if first is None else first}
+                if not prefill_done:
                     waiting.add(p_task)
                 await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                if not handed_over and p_task.done():
-                    exc = p_task.exception()
-                    if isinstance(exc, UpstreamError):
-                        self._breaker(prefill.worker, exc.counts_for_breaker)
-                        raise _Retry(PREFILL, prefill.worker, str(exc).split(": ", 1)[-1], exc.retry_after)
-                    if exc is not None:
-                        raise exc
-                    p_up = p_task.result()
-                    if p_up.status_code >= 400:  # a client error the decode side may never see: relay it
-                        await self._relay_prefill_error(send, p_up, prefill)
-                        return
-                    handed_over = True
-                    self._spawn(self._settle_prefill(p_up, prefill))
-                if up is None and d_task.done():
-                    exc = d_task.exception()
-                    if isinstance(exc, UpstreamError):
+                if not prefill_done and p_task.done():
+                    status, p_headers, p_body = p_task.result()  # raises _Retry: the prefill side failed
+                    prefill_done = True
+                    if status >= 400:  # a client error the decode side may never see: the client's answer
+                        prefill.finished()
+                        await send_body(send, status, p_body, content_type=None,
+                                        headers={**p_headers, PREFILL_WORKER_HEADER: prefill.worker})
+                        raise _Answered
+                    prefill.finished()
+                    fw.breakers.on_success(prefill.worker)
+                if first is None and d_task.done():
+                    try:
+                        up = d_task.result()
+                    except UpstreamError as exc:
                         self._breaker(decode.worker, exc.counts_for_breaker)
-                        raise _Retry(DECODE, decode.worker, str(exc).split(": ", 1)[-1], exc.retry_after)
-                    if exc is not None:
-                        raise exc
-                    up = d_task.result()
-                    if up.status_code >= 400:  # not retryable (4xx): the client's answer, like sglang-router
+                        raise _Retry(DECODE, decode.worker, str(exc).split(": ", 1)[-1], exc.retry_after) from None
+                    if up.status_code >= 400 or not stream:  # a whole body (an error status is not retryable)
                         first = asyncio.ensure_future(up.read())
                     else:
-                        chunks = up.chunks(fw.config.stream_batching_interval_ms / 1e3) if stream else None
-                        first = asyncio.ensure_future(chunks.__anext__() if chunks is not None else up.read())
+                        chunks = up.chunks(fw.config.stream_batching_interval_ms / 1e3)
+                        first = asyncio.ensure_future(chunks.__anext__())
                     continue
                 if first is not None and first.done():
                     break
@@ -260,21 +263,24 @@ class PdDispatch:
             except UPSTREAM_ERRORS as exc:
                 self._breaker(decode.worker, True)
                 raise _Retry(DECODE, decode.worker, f"{type(exc).__name__} before the first byte") from None
-        except BaseException:
-            for task in (d_task, first) if handed_over else (d_task, first, p_task):
+        except BaseException as exc:
+            for task in (d_task, first) if prefill_done else (d_task, first, p_task):
                 if task is not None:
                     await _discard(task)
             if up is not None:
                 await up.close()
-            if not handed_over:
+            if not prefill_done:
                 prefill.failed()
+            if isinstance(exc, _Answered):
+                decode.failed()
+                return
             decode.failed()
             raise
         # the decode side's first byte is in: from here on the client gets what it sends
         decode.first_token()
         fw.metrics.ttft_seconds.labels(decode.worker).observe(time.perf_counter() - t0)
-        if not handed_over:  # the prefill answer is late (it is read to its end in the background)
-            self._spawn(self._settle_prefill_task(p_task, prefill))
+        if not prefill_done:  # its answer is late: settled in the background
+            self._spawn(self._settle_prefill(p_task, prefill))
         out_headers = up.headers()
         out_headers["x-kvroute-worker"] = decode.worker
         out_headers[PREFILL_WORKER_HEADER] = prefill.worker
@@ -287,6 +293,29 @@ class PdDispatch:
             out_headers.pop("content-type", None)
         await send_stream(send, up.status_code, self._relay(piece, chunks, up, decode, t0, policy),
                           content_type=up.content_type or "text/event-stream", headers=out_headers)
+
+    async def _prefill_call(self, ticket: RequestTicket, url: str, raw: bytes,
+                            headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
+        """The prefill request, read to its end: (status, headers, body). Raises _Retry when it fails:
+        refused, reset or cut short, a retryable status, or — on a stream — SGLang's error event
+        (a failed KV handoff is reported that way once the 200 has gone out)."""
+        try:
+            up = await self.fw.upstream.open(ticket.worker, "POST", url, content=raw, headers=headers)
+        except UpstreamError as exc:
+            self._breaker(ticket.worker, exc.counts_for_breaker)
+            raise _Retry(PREFILL, ticket.worker, str(exc).split(": ", 1)[-1], exc.retry_after) from None
+        try:
+            ticket.first_token()  # headers in: a streamed prefill answer's body follows its transfer
+            body = await up.read()
+        except UPSTREAM_ERRORS as exc:
+            self._breaker(ticket.worker, True)
+            raise _Retry(PREFILL, ticket.worker, f"{type(exc).__name__} before its answer ended") from None
+        finally:
+            await up.close()
+        if up.status_code < 400 and _sse_error(body):
+            raise _Retry(PREFILL, ticket.worker, "its stream ended with an error event: "
+                         + body[body.find(b'{"error"'):][:160].decode("utf-8", "replace"))
+        return up.status_code, up.headers(), body
 
     async def _relay(self, first: bytes, chunks: AsyncIterator[bytes], up: Upstream, ticket: RequestTicket,
                      t0: float, policy: str) -> AsyncIterator[bytes]:
@@ -311,40 +340,20 @@ class PdDispatch:
                 self.fw._failed(ticket, outcome == "broken")
                 self.fw.metrics.requests.labels(policy, ticket.worker, outcome).inc()
 
-    async def _relay_prefill_error(self, send: Send, up: Upstream, ticket: RequestTicket) -> None:
+    async def _settle_prefill(self, task: asyncio.Future[Any], ticket: RequestTicket) -> None:
+        """The prefill answer after the decode side's first byte (its KV is in): end its ticket."""
         try:
-            content = await up.read()
-        finally:
-            await up.close()
-        ticket.first_token()
-        ticket.finished()
-        await send_body(send, up.status_code, content, content_type=None,
-                        headers={**up.headers(), PREFILL_WORKER_HEADER: ticket.worker})
-
-    async def _settle_prefill(self, up: Upstream, ticket: RequestTicket) -> None:
-        """The prefill answer came (its prefill and KV transfer are done): read it to its end, drop it."""
-        ticket.first_token()
-        try:
-            await up.read()
-        except UPSTREAM_ERRORS as exc:
-            logger.info("prefill worker %s: its answer broke off (%s); the decode side has its KV",
-                        ticket.worker, type(exc).__name__)
-        finally:
-            await up.close()
-            ticket.finished()
-        self.fw.breakers.on_success(ticket.worker)
-
-    async def _settle_prefill_task(self, task: asyncio.Future[Upstream], ticket: RequestTicket) -> None:
-        try:
-            up = await task
-        except UpstreamError as exc:
+            status, _, _ = await task
+        except _Retry as exc:
             ticket.failed()
-            logger.info("prefill worker %s failed after its decode peer started: %s", ticket.worker, exc)
+            logger.info("after its decode peer started: %s", exc)
             return
         except BaseException:
             ticket.failed()
             raise
-        await self._settle_prefill(up, ticket)
+        ticket.finished()
+        if status < 400:
+            self.fw.breakers.on_success(ticket.worker)
 
     def _breaker(self, worker: str, counts: bool) -> None:
         if counts and self.fw.breakers.on_failure(worker):
