@@ -39,6 +39,7 @@ PREFILL = "prefill"
 DECODE = "decode"
 ROOM_MAX = 2**63 - 1  # sglang-router: a random u64 masked to [0, 2^63 - 1] (Python's randint(0, 2**63 - 1))
 PREFILL_WORKER_HEADER = "x-kvroute-prefill-worker"
+PREFILL_BLAME_S = 1.0  # how long a decode stream's opening error waits to learn whether its prefill side failed
 
 
 # --- the bootstrap fields (pure) ---------------------------------------------------------------
@@ -263,6 +264,15 @@ class PdDispatch:
             except UPSTREAM_ERRORS as exc:
                 self._breaker(decode.worker, True)
                 raise _Retry(DECODE, decode.worker, f"{type(exc).__name__} before the first byte") from None
+            if chunks is not None and _sse_error(piece):
+                # SGLang's decode side reports a failed KV handoff as a stream that opens with an error
+                # event: nothing useful reached the client yet. Blame the prefill side if it failed too.
+                if not prefill_done:
+                    await asyncio.wait({p_task}, timeout=PREFILL_BLAME_S)
+                    if p_task.done() and isinstance(p_task.exception(), _Retry):
+                        p_task.result()
+                raise _Retry(DECODE, decode.worker, "its stream opened with an error event: "
+                             + piece[piece.find(b'{"error"'):][:160].decode("utf-8", "replace"))
         except BaseException as exc:
             for task in (d_task, first) if prefill_done else (d_task, first, p_task):
                 if task is not None:

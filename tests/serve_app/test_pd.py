@@ -287,3 +287,25 @@ def test_every_pair_failing_is_a_503_naming_the_attempts(sims):
     with pytest.raises(HttpError) as err:
         _serve(core, chat("nobody decodes " * 10, max_tokens=2))
     assert err.value.status == 503 and "decode worker d_dead" in err.value.body().decode()
+
+
+def test_a_prefill_worker_that_dies_mid_request_makes_the_pair_retry(sims):
+    """The prefill side's 200 has gone out (a streamed request) and then its server dies during the
+    prefill: before the decode side's first byte, so the decode request is dropped and the pair
+    retried on the other prefill worker (sglang-router would leave the decode side waiting 300 s)."""
+    import threading
+
+    p, d = sims
+    slow = start_sim("prefill", timeout_s=30, extra=["--prefill-per-token-us", "200000"])  # ~2.5 s wall per prompt
+    try:
+        core, _ = _pd_core(p, d, p_slow=("prefill", {"url": slow.url, "port": slow.bootstrap_port}))
+        assert decide_pair(core, core.facts(chat("dies mid-way " * 40)), None, None).prefill.worker == "p_slow"
+        killer = threading.Timer(0.5, slow.proc.kill)
+        killer.start()
+        sink = _serve(core, chat("dies mid-way " * 40, stream=True, max_tokens=3))
+        killer.join()
+        assert sink.status == 200, sink.body
+        assert sink.headers["x-kvroute-prefill-worker"] == "p0" and len(_tokens(sink.body)) == 3
+        assert core.ledger.in_flight("p_slow") == 0 and core.ledger.in_flight("d0") == 0
+    finally:
+        slow.stop()

@@ -56,7 +56,7 @@ def start_sim(mode: str, *, time_scale: float = 0.1, timeout_s: float = 300.0, e
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60  # a loaded shared machine starts Python slowly
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"sim ({mode}) exited: {proc.stderr.read().decode()}")
