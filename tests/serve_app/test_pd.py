@@ -67,6 +67,20 @@ def test_a_prefill_entry_without_bootstrap_port_is_an_error_naming_it():
     assert [(w.role, w.bootstrap_port) for w in spec.workers] == [("prefill", 8998), ("decode", None), ("both", None)]
 
 
+def test_kvroute_status_shows_the_roles_of_a_pd_fleet():
+    from rich.console import Console
+
+    from serve_app.status import render
+
+    core, clock = make_core()
+    put(core, clock, "p0", "prefill", port=9100)
+    put(core, clock, "d0", "decode")
+    console = Console(width=200, record=True)
+    console.print(render(core.workers_json()))
+    text = console.export_text()
+    assert "role" in text and "prefill :9100" in text and "decode" in text
+
+
 # --- the bootstrap fields ---------------------------------------------------------------------------
 
 
