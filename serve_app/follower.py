@@ -49,6 +49,8 @@ class WorkerRecord(msgspec.Struct, kw_only=True):
     kv_events_actor: str | None = None  # the worker actor to follow for KV events (exact prefix mode)
     kv_events: KvEventsStatus | None = None
     models: list[str] = []  # the model names the worker serves ([] = unknown)
+    role: str = "both"  # PD disaggregation role: prefill | decode | both (docs/pd.md)
+    bootstrap_port: int | None = None  # role prefill: its --disaggregation-bootstrap-port
     dp_size: int = 1  # attention-DP ranks (the fleet entry's dp_size): > 1 → one routing target per rank
     rank_at: dict[int, float] = {}  # local monotonic time of each rank's newest frame
 
@@ -139,7 +141,8 @@ class FleetFollower:
                 ranks=ranks, metrics_at=None if age is None else now - age, heartbeat_at=now - w.heartbeat_age_s,
                 updated_at=wall, in_flight_by_replica=w.in_flight_by_replica,  # freshly decoded: ours to keep
                 managed=w.managed, kv_events_actor=w.kv_events_actor, kv_events=w.kv_events,
-                models=w.models, dp_size=w.dp_size, rank_at=_rank_times(w.ranks, None if age is None else now - age),
+                models=w.models, role=w.role, bootstrap_port=w.bootstrap_port, dp_size=w.dp_size,
+                rank_at=_rank_times(w.ranks, None if age is None else now - age),
             )
             changed.append(w.name)
         for u in delta.metrics:  # ranks alone changed: update the record we hold in place

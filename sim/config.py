@@ -19,6 +19,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from sim.disagg import DisaggConfig
 from sim.sglang_shapes import DEFAULT_WIRE, WIRE_FORMS
 
 KvEventsEncoding = Literal["array", "map"]
@@ -100,6 +101,7 @@ class SimConfig(BaseModel):
                          "with --enable-dp-attention): each its own scheduler loop, KV pool, KvMetrics and KV events")
     kv_events_buffer_steps: int = Field(10_000, ge=1, description="batches kept for replay")
     shutdown_grace_s: float = Field(0.5, ge=0, description="how long open streams may finish")
+    disagg: DisaggConfig | None = Field(None, description="prefill/decode disaggregation role (sim.disagg)")
 
     @property
     def events_encoding(self) -> KvEventsEncoding:
@@ -116,4 +118,6 @@ class SimConfig(BaseModel):
         if self.dp_size > 1 and self.engine.dp_rank != 0:
             raise ValueError(f"dp_rank={self.engine.dp_rank} with dp_size={self.dp_size}: the ranks are 0..dp_size-1; "
                              "--dp-rank names the one rank of a server without DP")
+        if self.dp_size > 1 and self.disagg is not None:
+            raise ValueError("dp_size > 1 with a disaggregation mode: the sim runs DP ranks or a PD role, not both")
         return self
