@@ -179,3 +179,8 @@ def test_the_demo_fleet_can_run_dp_workers():
 
     assert build_parser().parse_args(["demo", "--dp-size", "2"]).dp_size == 2
     assert [w.dp_size for w in demo_fleet(2, tmpdir="/tmp/kvroute-test", dp_size=2).workers] == [2, 2]
+
+
+def test_dp_ranks_on_a_pd_worker_are_refused_not_routed_unpinned():
+    with pytest.raises(FleetError, match=r"dp_size > 1 with role: decode is not supported yet"):
+        parse_fleet({"workers": [{"name": "d", "engine": "sim", "dp_size": 2, "role": "decode"}]})
