@@ -13,7 +13,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from actors.protocol import Endpoints, InFlightShare, ReportBatch, WorkerReport, encode
+from actors.protocol import Endpoints, HostFrame, InFlightShare, ReportBatch, WorkerReport, encode
 from actors.retry import Backoff
 
 logger = logging.getLogger("kvroute.link")
@@ -51,6 +51,7 @@ class AggregatorLink:
         self.sent = 0
         self.dropped = 0
         self.reconnects = 0
+        self.connections = 0  # TCP connections made to an aggregator: a new one may be a restarted aggregator
 
     @property
     def epoch(self) -> str | None:
@@ -91,6 +92,11 @@ class AggregatorLink:
 
     def push_reports(self, reports: list[WorkerReport]) -> bool:
         return self._push(ReportBatch(token=self._token(), reports=reports))
+
+    def push_host(self, host: str, incarnation: str, workers: list[str], reports: list[WorkerReport]) -> bool:
+        """A metrics host's frame: the heartbeat of all of `workers`, the whole reports of `reports`."""
+        return self._push(HostFrame(token=self._token(), host=host, incarnation=incarnation, workers=workers,
+                                    reports=reports))
 
     def push_in_flight(self, replica: str, counts: dict[str, int]) -> bool:
         return self._push(InFlightShare(token=self._token(), replica=replica, counts=counts))
@@ -143,6 +149,7 @@ class AggregatorLink:
             event = parse_monitor_message(frames)["event"]
             if event == zmq.EVENT_CONNECTED:
                 self._down_since = None
+                self.connections += 1
             elif event == zmq.EVENT_DISCONNECTED and self._down_since is None:
                 self._down_since = time.monotonic()
 
