@@ -38,9 +38,10 @@ class _Slot:
 
     __slots__ = ("name", "raw", "book", "report", "watch", "dirty")
 
-    def __init__(self, name: str, sock: zmq.Socket, book: MetricsBook, report: Callable[[], WorkerReport]) -> None:
+    def __init__(self, name: str, sock: zmq.Socket | None, book: MetricsBook | None,
+                 report: Callable[[], WorkerReport]) -> None:
         self.name = name
-        self.raw = zmq.Socket.shadow(sock.underlying)  # sync view: cheap drains
+        self.raw = None if sock is None else zmq.Socket.shadow(sock.underlying)  # sync view: cheap drains
         self.book = book
         self.report = report
         self.watch: SocketWatch | None = None
@@ -74,7 +75,10 @@ class HostPipe:
     def names(self) -> list[str]:
         return list(self._names)
 
-    def add(self, name: str, sock: zmq.Socket, book: MetricsBook, report: Callable[[], WorkerReport]) -> None:
+    def add(self, name: str, sock: zmq.Socket | None, book: MetricsBook | None,
+            report: Callable[[], WorkerReport]) -> None:
+        """Host `name`: its bound PULL and book (None, None: its metrics arrive through `changed()`
+        instead — an emulated worker) and the `report()` of its current state."""
         if name in self._slots:
             raise ValueError(f"worker {name}: already hosted by {self.host}")
         slot = self._slots[name] = _Slot(name, sock, book, report)
@@ -93,6 +97,14 @@ class HostPipe:
         self._names = list(self._slots)
         self.wake.set()
         return True
+
+    def changed(self, name: str) -> None:
+        """New metrics for `name` arrived other than through its PULL (an emulated worker): pushed as
+        frames received on the PULL are (throttled on both edges)."""
+        slot = self._slots.get(name)
+        if slot is not None:
+            slot.dirty = True
+            self._metrics_arrived()
 
     def mark(self, name: str) -> None:
         """`name`'s liveness or status changed: its report goes in a frame now."""
@@ -124,6 +136,8 @@ class HostPipe:
     # --- receive ------------------------------------------------------------------------------
 
     def _watch(self, slot: _Slot) -> None:
+        if slot.raw is None:
+            return
         slot.watch = SocketWatch(slot.raw, lambda: self._drain(slot))
         if self._timer is not None:  # inside a window: frames wait for its end
             slot.watch.pause()
@@ -131,6 +145,8 @@ class HostPipe:
     def _drain(self, slot: _Slot, notify: bool = True) -> bool:
         """Ingest what waits on `slot`'s PULL (a bounded batch); True if more may wait."""
         raw, book = slot.raw, slot.book
+        if raw is None or book is None:
+            return False
         fresh = False
         try:
             for _ in range(DRAIN_BATCH):
