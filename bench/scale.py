@@ -324,11 +324,11 @@ def _window(agg: Any, agg_pid: int, emus: list[Any], hosts: list[Any], host_pids
 
 
 def run_cell(n: int, hz: float, seconds: float, n_emulators: int, followers: list[int],
-             change_every: int = 1, per_host: int = 0) -> list[dict[str, Any]]:
+             change_every: int = 1, per_host: int = 0, plane: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     from actors.aggregator import get_or_create_aggregator, kill_aggregator
     from actors.models import Settings
 
-    settings = Settings()
+    settings = Settings(**(plane or {}))
     sd = settings.model_dump()
     kill_aggregator()
     agg = get_or_create_aggregator(settings)
@@ -384,7 +384,7 @@ def _profile(pids: dict[str, int], seconds: float, out_dir: str) -> list[subproc
 
 
 def real_actors(k: int, seconds: float, frame_hz: float = 0.0, profile: str | None = None,
-                hosting: str = "worker") -> dict[str, float]:
+                hosting: str = "worker", plane: dict[str, Any] | None = None) -> dict[str, float]:
     """CPU of `k` real `WorkerActor`s (`hosting` 'worker'; 'node': `k` workers hosted by one real
     `MetricsHost`) (attach mode: a /health server, no engine) beside `k` bare
     async actors, the aggregator and one follower host, % of one core. `frame_hz` > 0: each actor
@@ -405,7 +405,7 @@ def real_actors(k: int, seconds: float, frame_hz: float = 0.0, profile: str | No
     health = HealthServer()
     tmp = tempfile.mkdtemp(prefix="kvroute-real-")
     fleet = parse_fleet({"workers": [{"name": f"real{i}", "url": health.url, "metrics_endpoint": f"ipc://{tmp}/r{i}.m"}
-                                     for i in range(k)]})
+                                     for i in range(k)], "settings": plane or {}})
     kill_aggregator()
     agg = get_or_create_aggregator(fleet.settings)
     agg_pid = ray.get(agg.stats.remote()).pid
@@ -497,6 +497,8 @@ def main() -> int:
                     help="node hosting: emulated workers grouped K to a metrics host, each host a real HostPipe "
                          "sending batched HostFrames (offered/s then counts new values only: the host's frames are "
                          "the heartbeats); 0: one frame per worker report, as WorkerActors send")
+    ap.add_argument("--coalesce-s", type=float, default=None,
+                    help="Settings.coalesce_s for the run (default: the setting's default, 0.05)")
     ap.add_argument("--real-actors", type=int, default=0, metavar="K",
                     help="instead: K real WorkerActors beside K bare async actors, the aggregator and one follower, "
                          "CPU of each over --seconds")
@@ -523,7 +525,8 @@ def main() -> int:
     if ns.real_actors:
         k = ns.real_actors
         for hosting in (["node", "worker"] if ns.hosting == "both" else [ns.hosting]):
-            r = real_actors(k, ns.seconds, ns.frame_hz, ns.profile, hosting)
+            r = real_actors(k, ns.seconds, ns.frame_hz, ns.profile, hosting,
+                            {"coalesce_s": ns.coalesce_s} if ns.coalesce_s else None)
             m = r["processes"]  # worker-side processes: k worker actors, or one metrics host
             plane = m * r["worker_actor"] + r["aggregator"] + r["follower"]
             what = f"{k} workers in 1 real MetricsHost" if hosting == "node" else f"{k} real WorkerActors"
@@ -540,7 +543,8 @@ def main() -> int:
     try:
         for n in ns.workers:
             for hz in ns.hz:
-                run_cell(n, hz, ns.seconds, ns.emulators, sorted(ns.followers), ns.change_every, ns.per_host)
+                run_cell(n, hz, ns.seconds, ns.emulators, sorted(ns.followers), ns.change_every, ns.per_host,
+                         {"coalesce_s": ns.coalesce_s} if ns.coalesce_s else None)
     finally:
         ray.shutdown()
     print(f"\nload average at end {os.getloadavg()[0]:.2f}")
