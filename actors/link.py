@@ -51,6 +51,7 @@ class AggregatorLink:
         self.sent = 0
         self.dropped = 0
         self.reconnects = 0
+        self._lock: asyncio.Lock | None = None
         self.connections = 0  # TCP connections made to an aggregator: a new one may be a restarted aggregator
 
     @property
@@ -65,7 +66,16 @@ class AggregatorLink:
         return self._down_since is None or time.monotonic() - self._down_since < self.stale_s
 
     async def ensure(self) -> bool:
-        """True when a socket is ready to push to; (re)resolves when needed, with back-off."""
+        """True when a socket is ready to push to; (re)resolves when needed, with back-off. Callers
+        sharing one link (several metrics hosts' pipes in one emulator) share one resolution."""
+        if self._sock is not None and self.ready():
+            return True
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            return await self._ensure()
+
+    async def _ensure(self) -> bool:
         if self._sock is not None:
             self._watch()
             if self._down_since is None or time.monotonic() - self._down_since < self.stale_s:

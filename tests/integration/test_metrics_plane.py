@@ -158,7 +158,6 @@ class _Fleet(threading.Thread):
         link.close()
 
 
-@pytest.mark.parametrize("per_host", [0, 8], ids=["per-worker", "node-hosts"])
 def test_hostile_host_frames_are_refused_and_a_host_vouches_only_for_workers_it_names(agg):
     import ray
 
@@ -184,6 +183,7 @@ def test_hostile_host_frames_are_refused_and_a_host_vouches_only_for_workers_it_
     assert ray.get(agg.remove.remote(ok), timeout=10)
 
 
+@pytest.mark.parametrize("per_host", [0, 8], ids=["per-worker", "node-hosts"])
 def test_aggregator_restart_under_1000_emulated_workers_all_back_within_2s_no_failed_route(agg, serve_port, per_host):
     import ray
     from ray import serve
