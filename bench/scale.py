@@ -404,8 +404,10 @@ def real_actors(k: int, seconds: float, frame_hz: float = 0.0, profile: str | No
 
     health = HealthServer()
     tmp = tempfile.mkdtemp(prefix="kvroute-real-")
-    fleet = parse_fleet({"workers": [{"name": f"real{i}", "url": health.url, "metrics_endpoint": f"ipc://{tmp}/r{i}.m"}
-                                     for i in range(k)], "settings": plane or {}})
+    # served_model_names: a real SGLang answers /v1/models once; the /health stand-in never does, and
+    # without declared names every probe would ask it again (a request per worker per second)
+    fleet = parse_fleet({"workers": [{"name": f"real{i}", "url": health.url, "metrics_endpoint": f"ipc://{tmp}/r{i}.m",
+                                      "served_model_names": ["m"]} for i in range(k)], "settings": plane or {}})
     kill_aggregator()
     agg = get_or_create_aggregator(fleet.settings)
     agg_pid = ray.get(agg.stats.remote()).pid
