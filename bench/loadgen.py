@@ -42,16 +42,24 @@ WORKER_HEADERS = ("x-kvroute-worker", "x-bench-worker")
 @dataclass(frozen=True)
 class Target:
     """Where a load generator sends requests: one router URL, or several worker URLs picked
-    round-robin by the client itself (the `direct` floor)."""
+    round-robin by the client itself (the `direct` floor). `by_model`: for a multi-model fleet,
+    the URLs that serve each model (a router per model, or the model's own workers for `direct`);
+    a request naming a model picks among those. `run_closed(model=…)` names the model its bodies ask for."""
 
     name: str
     urls: tuple[str, ...]
     headers: dict[str, str] = field(default_factory=dict)
     label: str = ""
     notes: str = ""
+    by_model: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
-    def endpoint(self, i: int) -> str:
-        return self.urls[i % len(self.urls)] + "/v1/chat/completions"
+    def endpoint(self, i: int, model: str | None = None) -> str:
+        urls = self.urls
+        if self.by_model:
+            if model not in self.by_model:
+                raise KeyError(f"target {self.name} serves models {sorted(self.by_model)}, not {model!r}")
+            urls = self.by_model[model]
+        return urls[i % len(urls)] + "/v1/chat/completions"
 
 
 @dataclass(slots=True)
@@ -94,9 +102,9 @@ def make_client(timeout_s: float) -> aiohttp.ClientSession:
     )
 
 
-def chat_body(messages: list[dict[str, str]], max_tokens: int) -> bytes:
+def chat_body(messages: list[dict[str, str]], max_tokens: int, model: str = "default") -> bytes:
     return json.dumps({
-        "model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+        "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
         "stream": True, "stream_options": {"include_usage": True},
     }).encode()
 
@@ -171,7 +179,7 @@ async def run_trace(trace: Trace, target: Target, *, timeout_s: float = 60.0, dr
     open `drain_s` after the last session start are cancelled and count as errors."""
     loop = asyncio.get_running_loop()
     results: list[RequestResult] = []
-    rr = itertools.count()
+    rr: dict[str, itertools.count] = {}  # round-robin position per model (`direct` over each model's workers)
     async with make_client(timeout_s) as client:
         t0 = loop.time() + 0.05
 
@@ -190,8 +198,8 @@ async def run_trace(trace: Trace, target: Target, *, timeout_s: float = 60.0, dr
                     await asyncio.sleep(turn.gap_s)
                 res = RequestResult(s.sid, k, s.group, sched, loop.time() - t0)
                 results.append(res)
-                body = chat_body(build_messages(s, k, replies), turn.max_tokens)
-                await stream_chat(client, target.endpoint(next(rr)), body, target.headers, res, clock)
+                body = chat_body(build_messages(s, k, replies), turn.max_tokens, s.model)
+                await stream_chat(client, target.endpoint(next(rr.setdefault(s.model, itertools.count())), s.model), body, target.headers, res, clock)
                 if not res.ok:
                     return  # a conversation does not continue past a failed turn
                 replies.append(res.reply)
@@ -211,7 +219,7 @@ async def run_trace(trace: Trace, target: Target, *, timeout_s: float = 60.0, dr
 
 
 async def run_closed(target: Target, concurrency: int, n_requests: int, make_body: Callable[[int], bytes],
-                     *, timeout_s: float = 60.0) -> tuple[list[RequestResult], float]:
+                     *, timeout_s: float = 60.0, model: str | None = None) -> tuple[list[RequestResult], float]:
     """`concurrency` clients send requests back-to-back until `n_requests` measured ones were sent;
     each client's first request is a warm-up (not measured). Returns (measured results, seconds from
     the first measured send to the last measured end)."""
@@ -227,7 +235,7 @@ async def run_closed(target: Target, concurrency: int, n_requests: int, make_bod
             while first or next(issued) < n_requests:
                 i = next(seq)
                 res = RequestResult(f"c{i}", 0, None, loop.time() - t0, loop.time() - t0)
-                await stream_chat(client, target.endpoint(i), make_body(i), target.headers, res, loop.time)
+                await stream_chat(client, target.endpoint(i, model), make_body(i), target.headers, res, loop.time)
                 res.reply = ""
                 if not first:
                     results.append(res)

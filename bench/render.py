@@ -260,6 +260,21 @@ def _cpu_per_request(doc: dict[str, Any], targets: list[str]) -> list[str]:
     return L
 
 
+def _models_line(doc: dict[str, Any], models: list[str], workers: int) -> str:
+    """Multi-model fleet: which worker serves which model, and per target whether every request
+    reached a worker of its own model (the engines' own counts, `bench.run.model_check`)."""
+    share = {m: [f"sim-{i}" for i in range(workers) if models[i * len(models) // workers] == m] for m in models}
+    checks = defaultdict(lambda: [0, 0])
+    for t in doc.get("trials", []):
+        for c in (t["summary"].get("models") or {}).values():
+            checks[t["target"]][0] += c["sent"]
+            checks[t["target"]][1] += c["served_by_its_workers"]
+    ok = ", ".join(f"{n} {served}/{sent}" for n, (sent, served) in sorted(checks.items()))
+    return (f"- Models: " + "; ".join(f"`{m}` on {', '.join(ws)}" for m, ws in share.items())
+            + ". Every shared-prefix group (else every conversation) asks for one model, groups alternating. "
+              f"Requests that reached a worker of their own model / requests sent, per target: {ok}.")
+
+
 def _markdown(doc, agg, rates, targets, oh, goals, plots) -> str:
     cfg = doc["config"]
     m = doc["machine"]
@@ -278,6 +293,8 @@ def _markdown(doc, agg, rates, targets, oh, goals, plots) -> str:
 
     L.append("## Setup\n")
     eng = cfg["engine"]
+    if len(cfg.get("models") or ()) > 1:
+        L.append(_models_line(doc, cfg["models"], cfg["workers"]))
     L.append(f"- Fleet: {cfg['workers']} simulated SGLang workers (`python -m sim`, launched by kvroute's own "
              f"`FleetRunner` as managed workers), identical engine arguments: "
              + ", ".join(f"`{k}={v}`" for k, v in eng.items())

@@ -39,7 +39,7 @@ from bench import machine, report  # noqa: E402
 from bench import profile as bench_profile  # noqa: E402
 from bench.cpu import CpuMeter, router_side_cpu_s  # noqa: E402
 from bench.loadgen import Target, chat_body, run_closed, run_trace  # noqa: E402
-from bench.workloads import make_trace, trace_digest  # noqa: E402
+from bench.workloads import make_trace, trace_digest, with_models  # noqa: E402
 
 # ---------------------------------------------------------------------------------------- suites
 
@@ -111,6 +111,29 @@ SUITES: dict[str, dict[str, Any]] = {
                      "targets": OVERHEAD_TARGETS},
         "ingest_args": [], "decision_args": [],
         "budget_s": 2400,
+    },
+    "two_model": {
+        # a two-model fleet (issue 19): workers 0-1 serve model-A, 2-3 model-B; a shared-prefix
+        # group or a conversation asks for one model (groups alternate), every request through one
+        # kvroute router vs one sglang-router per model (its multi-model gateway mode cannot start
+        # offline: bench/sglang_peer.SGLANG_PER_MODEL_NOTE)
+        "workers": 4,
+        "engine": ENGINE,
+        "models": ["model-A", "model-B"],
+        "reps": 2,
+        "duration_s": 30.0,
+        "warmup_s": 3.0,
+        "drain_s": 30.0,
+        "workloads": {
+            "shared_prefix": {"rates": [12], "params": {**SP, "output_tokens": 128}},
+            "multi_turn": {"rates": [8], "params": {**MT, "output_tokens": 128}},
+        },
+        "targets": ["direct", "kvroute-kv_aware", "kvroute-round_robin", "sglang-cache_aware-nodelay",
+                    "sglang-round_robin"],
+        "overhead": {"concurrency": [1], "requests": {"1": 20}, "reps": 1, "max_tokens": 1,
+                     "targets": ["direct", "kvroute-kv_aware", "sglang-cache_aware-nodelay"]},
+        "ingest_args": [], "decision_args": [],
+        "budget_s": 1200,
     },
     "mooncake": {  # the real-trace replay alone (development; the standard suite runs it too)
         "workers": 4,
@@ -237,6 +260,20 @@ async def _poll(meter: CpuMeter, every_s: float = 5.0) -> None:
         meter.poll()
 
 
+def model_check(trace: Any, results: list, per_worker: dict[str, dict[str, Any]],
+                workers_of: dict[str, tuple[str, ...]], worker_urls: dict[str, str]) -> dict[str, dict[str, int]]:
+    """Multi-model fleet: per model, requests sent for it and requests its own workers' engines
+    counted during the trial — equal unless a router sent a request to another model's worker."""
+    model_of = {s.sid: s.model for s in trace.sessions}
+    name_of = {u: n for n, u in worker_urls.items()}
+    out: dict[str, dict[str, int]] = {}
+    for model, urls in workers_of.items():
+        sent = sum(1 for r in results if model_of.get(r.sid) == model and r.status is not None)
+        served = sum(per_worker.get(name_of[u], {}).get("requests", 0) for u in urls)
+        out[model] = {"sent": sent, "served_by_its_workers": served}
+    return out
+
+
 async def run_trials(fleet: Any, targets: list[Target], suite: dict[str, Any], base_seed: int, progress,
                      dump: Path | None = None, profile: Path | None = None) -> list[dict]:
     import httpx
@@ -254,7 +291,8 @@ async def run_trials(fleet: Any, targets: list[Target], suite: dict[str, Any], b
         for rep, wi, workload, ri, rate in cells:
             spec = suite["workloads"][workload]
             seed = seed_for(base_seed, rep, wi, ri)
-            trace = make_trace(workload, seed, rate, suite["duration_s"], **spec["params"])
+            trace = with_models(make_trace(workload, seed, rate, suite["duration_s"], **spec["params"]),
+                                suite.get("models", ()))
             digest = trace_digest(trace)
             order = list(targets)
             random.Random(seed).shuffle(order)  # interleaved, in a different order per cell
@@ -281,6 +319,9 @@ async def run_trials(fleet: Any, targets: list[Target], suite: dict[str, Any], b
                         f.writelines(json.dumps(r.as_row()) + "\n" for r in results)
                 summary = report.summarize_trial(results, suite["warmup_s"], before, after)
                 summary["cpu"] = cpu
+                if len(suite.get("models", ())) > 1:
+                    summary["models"] = model_check(trace, results, summary["per_worker"], fleet.workers_of(),
+                                                    fleet.worker_urls)
                 ok = max(1, summary["ok"])
                 fam = cpu["families_cpu_s"]
                 side = router_side_cpu_s(fam, target.name, target_app(target.name))
@@ -307,7 +348,8 @@ async def run_trials(fleet: Any, targets: list[Target], suite: dict[str, Any], b
     return trials
 
 
-async def run_overhead(targets: list[Target], cfg: dict[str, Any], base_seed: int, progress) -> list[dict]:
+async def run_overhead(targets: list[Target], cfg: dict[str, Any], base_seed: int, progress,
+                       model: str = "default") -> list[dict]:
     rows = []
     meter = CpuMeter()
     want = cfg.get("targets")
@@ -321,10 +363,10 @@ async def run_overhead(targets: list[Target], cfg: dict[str, Any], base_seed: in
                 tag = f"o{rep}-{conc}-{target.name}"
 
                 def body(i: int, tag: str = tag) -> bytes:  # unique tiny prompt: nothing cached, tiny output
-                    return chat_body([{"role": "user", "content": f"ping {tag} {i}"}], cfg["max_tokens"])
+                    return chat_body([{"role": "user", "content": f"ping {tag} {i}"}], cfg["max_tokens"], model)
 
                 meter.start()
-                results, span = await run_closed(target, conc, n, body)
+                results, span = await run_closed(target, conc, n, body, model=model)
                 cpu = meter.stop()
                 ok = [r for r in results if r.ok]
                 e2e = [r.e2e_s for r in ok]
@@ -440,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     if dump is not None:
         dump.mkdir(parents=True, exist_ok=True)
     fleet = BenchFleet(suite["workers"], suite["engine"], verbose=ns.verbose, progress=progress,
+                       models=tuple(suite.get("models", ())),
                        targets_enabled=enabled, kv_events=suite["kv_events"],
                        router_args={"kv_aware": knobs} if knobs else {}, decision_log_dir=dump)
     trials: list[dict] = []
@@ -455,7 +498,8 @@ def main(argv: list[str] | None = None) -> int:
             profile.mkdir(parents=True, exist_ok=True)
         trials = asyncio.run(run_trials(fleet, targets, suite, ns.seed, progress, dump, profile))
         if not ns.no_overhead:
-            overhead = asyncio.run(run_overhead(targets, suite["overhead"], ns.seed, progress))
+            overhead = asyncio.run(run_overhead(targets, suite["overhead"], ns.seed, progress,
+                                                (suite.get("models") or ["default"])[0]))
     finally:
         progress("tearing down …")
         fleet.stop()

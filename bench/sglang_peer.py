@@ -32,6 +32,13 @@ SGLANG_NODELAY_NOTE = (
     "once the peer sets TCP_NODELAY"
 )
 
+SGLANG_PER_MODEL_NOTE = (
+    "Multi-model fleet: one sglang-router process per model over that model's workers, the load generator "
+    "sending each request to its model's router (their CPU is summed). sglang-router's own multi-model "
+    "gateway mode (`--enable-igw`) panics at start on a machine without internet access: it downloads the "
+    "o200k_base vocabulary for its harmony parser (openaipublic.blob.core.windows.net) before serving"
+)
+
 
 def sglang_router_argv(policy: str, port: int, urls: tuple[str, ...], prometheus_port: int) -> list[str]:
     """How a sglang-router target is started (the nodelay variant adds only LD_PRELOAD)."""

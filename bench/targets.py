@@ -52,7 +52,7 @@ from ray.serve.config import RequestRouterConfig
 
 from bench.loadgen import Target
 from bench.sglang_peer import (NODELAY_BY_DEFAULT, NODELAY_SUFFIX, SGLANG_COMMON_FLAGS, SGLANG_NODELAY_NOTE,
-                               SGLANG_POLICIES, SGLANG_ROUTER_FLAGS,
+                               SGLANG_PER_MODEL_NOTE, SGLANG_POLICIES, SGLANG_ROUTER_FLAGS,
                                SGLANG_STALL_NOTE, _sglang_router_version, sglang_router_argv)
 from serve_app.config import RouterConfig
 from serve_app.proxy import UpstreamClient, UpstreamError, forward_headers
@@ -244,6 +244,9 @@ class BenchFleet:
     decision_log_dir: Path | None = None  # every kvroute target logs its decisions there
     kv_events: bool = False  # engines publish KV events + the kv_aware exact-mode target (see run.py)
     router_args: dict[str, Any] = field(default_factory=dict)  # RouterConfig fields for every kvroute app
+    # several: a multi-model fleet (workers split into equal contiguous shares, one model each); the
+    # targets that cannot route by model (Serve's model-blind floors) are left out
+    models: tuple[str, ...] = ()
     tmpdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="kvroute-bench-"))
     serve_port: int = 0
     worker_urls: dict[str, str] = field(default_factory=dict)
@@ -256,15 +259,32 @@ class BenchFleet:
         """The bare Serve floor relays like the kvroute apps of this fleet."""
         return float(self.router_args.get("stream_batching_interval_ms", STREAM_BATCHING_MS)) / 1e3
 
+    def model_of(self, i: int) -> str | None:
+        """The model worker i serves in a multi-model fleet (contiguous equal shares), else None."""
+        if len(self.models) <= 1:
+            return None
+        return self.models[i * len(self.models) // self.workers]
+
+    def workers_of(self) -> dict[str, tuple[str, ...]]:
+        """model → its workers' URLs (multi-model fleets)."""
+        out: dict[str, list[str]] = {}
+        for i, url in enumerate(self.worker_urls.values()):
+            out.setdefault(self.model_of(i), []).append(url)
+        return {m: tuple(u) for m, u in out.items()}
+
     def fleet_dict(self) -> dict[str, Any]:
+        if len(self.models) > 1 and self.workers < len(self.models):
+            raise ValueError(f"{self.workers} workers cannot serve {len(self.models)} models")
         ws = []
         for i in range(self.workers):
             port = free_port()
+            model = self.model_of(i)
             ws.append({
                 "name": f"sim-{i}", "engine": "sim", "page_size": int(self.engine_args.get("page_size", 16)),
                 "url": f"http://127.0.0.1:{port}", "metrics_endpoint": f"ipc://{self.tmpdir}/sim-{i}.metrics",
-                "model": "kvroute-sim",
-                "served_model_names": ["kvroute-sim", "default"],  # the load generators ask for "default"
+                # one model: the load generators ask for "default"; several: each worker serves its own
+                "model": model or "kvroute-sim",
+                "served_model_names": [model] if model else ["kvroute-sim", "default"],
                 # every engine publishes SGLang KV events (kvroute's exact prefix mode reads them; the
                 # engine's timing is unchanged and the other targets ignore them)
                 **({"kv_events_endpoint": "auto"} if self.kv_events else {}),
@@ -308,12 +328,21 @@ class BenchFleet:
         self.worker_urls = {w.name: w.url for w in fleet.expanded()}
         urls = tuple(self.worker_urls.values())
         want = self.targets_enabled
-        on = (lambda name: True) if want is None else (lambda name: name in want)
+        multi = len(self.models) > 1
+        per_model = self.workers_of() if multi else {}
+        model_blind = ("serve-random", "ray-prefix", *SERVE_ROUTER_TARGETS)
+        if multi:
+            skipped = [n for n in model_blind if want is None or n in want]
+            if skipped:
+                self.progress(f"multi-model fleet: leaving out {', '.join(skipped)} (they cannot route by model)")
+        on = ((lambda name: True) if want is None else (lambda name: name in want)) if not multi else (
+            (lambda name: name not in model_blind and (want is None or name in want)))
 
         targets: list[Target] = []
         if on("direct"):
-            targets.append(Target("direct", urls, label="direct (client RR)",
-                                  notes="no router: the load generator round-robins over the workers"))
+            targets.append(Target("direct", urls, label="direct (client RR)", by_model=per_model,
+                                  notes="no router: the load generator round-robins over the workers"
+                                        + (" of the model each request names" if multi else "")))
         if on("serve-random"):
             serve.run(PassThrough.bind(self.worker_urls, self._batching_s()), name="serve-random",
                       route_prefix="/serve-random", blocking=False)
@@ -354,7 +383,7 @@ class BenchFleet:
             targets.append(Target("ray-prefix", (base + "/ray-prefix",), label="Ray Serve PrefixCacheAffinity",
                                   notes=PREFIX_NOTES))
         for name, (router_cls, label, notes) in SERVE_ROUTER_TARGETS.items():
-            if want is None or name not in want:  # only when named (--targets): the suites' runs stay as they are
+            if want is None or not on(name):  # only when named (--targets): the suites' runs stay as they are
                 continue
             claim = os.path.join(self.tmpdir, f"claims-{name}")
             os.makedirs(claim, exist_ok=True)
@@ -369,9 +398,24 @@ class BenchFleet:
                 name = f"sglang-{policy}{NODELAY_SUFFIX if nodelay else ''}"
                 if not on(name) or (nodelay and want is None and policy not in NODELAY_BY_DEFAULT):
                     continue
+                flags = " ".join(SGLANG_ROUTER_FLAGS[policy])
+                if multi:
+                    # one router per model over that model's workers: 0.3.2's multi-model gateway
+                    # mode (--enable-igw) panics at start without internet access (it downloads the
+                    # o200k_base vocabulary for its harmony parser), so this is how it runs here
+                    by_model = {}
+                    for model, murls in per_model.items():
+                        port = free_port()
+                        self._start_sglang_router(f"{name}@{model}", policy, port, murls, nodelay=nodelay)
+                        by_model[model] = (f"http://127.0.0.1:{port}",)
+                    label = f"sglang-router {policy}{', TCP_NODELAY forced' if nodelay else ''}, one per model"
+                    notes = (SGLANG_NODELAY_NOTE if nodelay else SGLANG_STALL_NOTE).format(version=version)
+                    targets.append(Target(name, tuple(u for us in by_model.values() for u in us), label=label,
+                                          by_model=by_model, notes=f"{notes}. {SGLANG_PER_MODEL_NOTE} Flags: "
+                                                                   f"`{flags} {' '.join(SGLANG_COMMON_FLAGS)}`"))
+                    continue
                 port = free_port()
                 self._start_sglang_router(name, policy, port, urls, nodelay=nodelay)
-                flags = " ".join(SGLANG_ROUTER_FLAGS[policy])
                 if nodelay:
                     label = f"sglang-router {policy}, TCP_NODELAY forced"
                     notes = SGLANG_NODELAY_NOTE.format(version=version)
@@ -403,21 +447,27 @@ class BenchFleet:
         """Every target answers a tiny chat request (and kvroute apps see every worker live/idle)."""
         self.progress("waiting for every target to answer …")
         deadline = time.monotonic() + timeout_s
-        body = {"model": "default", "messages": [{"role": "user", "content": "ready"}], "max_tokens": 1}
+        def body(model: str) -> dict[str, Any]:
+            return {"model": model, "messages": [{"role": "user", "content": "ready"}], "max_tokens": 1}
+
+        models = list(self.models) if len(self.models) > 1 else ["default"]
         with httpx.Client(timeout=10, trust_env=False) as c:
             for t in targets:
+                # every URL of the target, asked for a model it serves (a model-routing router: every model)
+                probes = ([(u + "/v1/chat/completions", m) for m, us in t.by_model.items() for u in us]
+                          if t.by_model else [(t.endpoint(i), m) for i in range(len(t.urls)) for m in models])
                 while True:
-                    proc = self._procs.get(t.name)
-                    if proc is not None and proc.poll() is not None:
-                        raise RuntimeError(f"{t.name} exited with status {proc.returncode}; see "
-                                           f"{self.tmpdir}/{t.name}.log")
+                    for pname, proc in self._procs.items():
+                        if pname.partition("@")[0] == t.name and proc.poll() is not None:
+                            raise RuntimeError(f"{pname} exited with status {proc.returncode}; see "
+                                               f"{self.tmpdir}/{pname}.log")
                     try:
                         ok = True
                         if t.name.startswith("kvroute-"):
                             ws = c.get(t.urls[0] + "/workers").json()["workers"]
                             ok = len(ws) == self.workers and all(w["state"] in ("live", "idle") for w in ws)
                         if ok:
-                            ok = all(c.post(t.endpoint(i), json=body).status_code == 200 for i in range(len(t.urls)))
+                            ok = all(c.post(url, json=body(m)).status_code == 200 for url, m in probes)
                         if ok:
                             break
                     except (httpx.HTTPError, ValueError, KeyError):

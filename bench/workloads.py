@@ -26,8 +26,8 @@ import json
 import math
 import os
 import random
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Callable, Sequence
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 _CONSONANTS = "bcdfghjklmnprstvwz"
@@ -48,6 +48,7 @@ class Session:
     system: str | None
     turns: tuple[Turn, ...]
     group: int | None = None  # shared-prefix group (for per-group analysis)
+    model: str = "default"  # the OpenAI `model` its requests name
 
 
 @dataclass(frozen=True)
@@ -298,6 +299,18 @@ def make_trace(workload: str, seed: int, rate: float, duration_s: float, **param
     except KeyError:
         raise ValueError(f"unknown workload {workload!r}; expected one of {sorted(WORKLOADS)}") from None
     return gen(seed, rate, duration_s, **params)
+
+
+def with_models(trace: Trace, models: Sequence[str]) -> Trace:
+    """The same trace for a multi-model fleet: a shared-prefix group (else a session, in order) asks
+    for models[group % n], so every group's prefix lives on one model's workers and the models
+    take equal shares of the sessions. One model: the trace unchanged."""
+    if len(models) <= 1:
+        return trace
+    n = len(models)
+    sessions = tuple(replace(s, model=models[(s.group if s.group is not None else i) % n])
+                     for i, s in enumerate(trace.sessions))
+    return replace(trace, sessions=sessions, params={**trace.params, "models": list(models)})
 
 
 def trace_digest(trace: Trace) -> str:
