@@ -159,3 +159,29 @@ async def test_after_the_aggregator_restarts_on_its_port_the_next_frame_carries_
     n = len(rig.frames)
     await _until(lambda: any({r.name for r in f.reports} == {"a", "b"} for f in rig.frames[n:]))
     assert rig.pipe.full_frames > full
+
+
+async def test_pipes_sharing_one_link_resolve_it_once(host_rig):
+    """Many hosts' pipes on one link (an emulator process) ask for it at once: one resolution, one
+    socket — not one each (that ran a 125-host emulator out of file descriptors)."""
+    rig = host_rig([], heartbeat_s=30.0)
+    results = await asyncio.gather(*(rig.link.ensure() for _ in range(50)))
+    assert all(results)
+    assert rig.handle.asked == 1 and rig.link.reconnects == 1
+
+
+async def test_an_emulated_worker_without_a_socket_is_pushed_through_changed(host_rig):
+    rig = host_rig([], heartbeat_s=30.0, coalesce_s=0.2)
+    state = {"active": 0}
+
+    def report() -> WorkerReport:
+        rank = RankMetrics(state["active"], 8, 1, 10, 0, 0.1, 0.0, 0, 0.0, state["active"])
+        return WorkerReport(name="emu", url="http://emu", page_size=1, incarnation="i", healthy=True, ranks=[rank])
+
+    rig.pipe.add("emu", None, None, report)
+    rig.pipe.start()
+    await _until(lambda: len(rig.frames) >= 1 and rig.link.ready())
+    await asyncio.sleep(0.25)
+    state["active"] = 3
+    rig.pipe.changed("emu")
+    await _until(lambda: rig.latest("emu") == 3)
