@@ -30,10 +30,20 @@ def served(tmp_path_factory):
         f"  - name: attached\n    url: http://127.0.0.1:{sim_port}\n    page_size: 16\n"
         f"    metrics_endpoint: ipc://{tmp}/attached.metrics\n"
     )
+    port = free_port()
+    while port == sim_port:  # free_port() releases the port it found: pick both before the sim binds one
+        port = free_port()
     sim = subprocess.Popen([sys.executable, "-m", "sim", "--port", str(sim_port), "--metrics-endpoint",
                             f"ipc://{tmp}/attached.metrics", "--time-scale", "0.2"],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    port = free_port()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # the attach worker is up before kvroute serve probes it
+        try:
+            if httpx.get(f"http://127.0.0.1:{sim_port}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("KVROUTE_API_KEY", None)
     proc = subprocess.Popen(
