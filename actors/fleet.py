@@ -87,6 +87,16 @@ class WorkerSpec(BaseModel):
     host: str = Field(
         "auto", description="managed engines listen here; auto = 127.0.0.1 on a one-node Ray, else the node's IP"
     )
+    role: Literal["prefill", "decode", "both"] = Field(
+        "both", description="prefill/decode disaggregation (docs/pd.md): `prefill` or `decode` for a server run "
+        "with SGLang's --disaggregation-mode of that name, `both` (default) for an ordinary server. A model "
+        "whose workers include prefill/decode ones is served by a prefill + decode pair per request",
+    )
+    bootstrap_port: int | None = Field(
+        None, ge=1, le=65535, description="role: prefill only, and required there: the server's "
+        "--disaggregation-bootstrap-port (SGLang's default is 8998); the decode side fetches the KV from it. "
+        "Managed mode passes it (and --disaggregation-mode) to the engine; replicas get bootstrap_port + i",
+    )
 
     @field_validator("name")
     @classmethod
@@ -138,6 +148,11 @@ class WorkerSpec(BaseModel):
             raise ValueError("kv_events_endpoint: auto needs managed mode (engine: sim|sglang)")
         if self.engine == "sglang" and not self.model:
             raise ValueError("engine: sglang needs model (a model path or name)")
+        if self.role == "prefill" and self.bootstrap_port is None:
+            raise ValueError(f"worker {self.name!r}: role: prefill needs bootstrap_port (the server's "
+                             f"--disaggregation-bootstrap-port, SGLang's default 8998)")
+        if self.role != "prefill" and self.bootstrap_port is not None:
+            raise ValueError(f"worker {self.name!r}: bootstrap_port is for role: prefill only (role is {self.role})")
         if self.kv_events_endpoint not in (None, "auto"):
             try:  # who binds is decided here, exactly as SGLang decides it; refused forms say why
                 plan_subscription(self.kv_events_endpoint, bind=self.kv_events_bind,
@@ -198,8 +213,9 @@ class FleetSpec(BaseModel):
             if w.replicas == 1:
                 out.append(w)
                 continue
-            for i in range(w.replicas):
-                out.append(w.model_copy(update={"name": f"{w.name}-{i}", "replicas": 1}))
+            for i in range(w.replicas):  # a prefill replica's bootstrap server needs a port of its own
+                port = {"bootstrap_port": w.bootstrap_port + i} if w.bootstrap_port is not None else {}
+                out.append(w.model_copy(update={"name": f"{w.name}-{i}", "replicas": 1, **port}))
         return out
 
 

@@ -82,8 +82,26 @@ def _flags(args: dict[str, Any]) -> list[str]:
     return out
 
 
+def _pd_flags(spec: WorkerSpec) -> list[str]:
+    """A PD role's server flags (docs/pd.md), unless engine_args already gives them (then they must agree)."""
+    if spec.role == "both":
+        return []
+    given = spec.engine_args.get("disaggregation_mode")
+    if given is not None and given != spec.role:
+        raise LaunchError(f"worker {spec.name}: role {spec.role} but engine_args.disaggregation_mode {given}")
+    port = spec.engine_args.get("disaggregation_bootstrap_port")
+    if port is not None and spec.bootstrap_port is not None and int(port) != spec.bootstrap_port:
+        raise LaunchError(f"worker {spec.name}: bootstrap_port {spec.bootstrap_port} but "
+                          f"engine_args.disaggregation_bootstrap_port {port}")
+    out = [] if given is not None else ["--disaggregation-mode", spec.role]
+    if spec.role == "prefill" and port is None:
+        out += ["--disaggregation-bootstrap-port", str(spec.bootstrap_port)]
+    return out
+
+
 def build_command(spec: WorkerSpec, *, host: str, port: int, metrics_endpoint: str) -> tuple[list[str], dict[str, str]]:
-    """The child's argv and extra environment, for `engine: sim` or `engine: sglang`."""
+    """The child's argv and extra environment, for `engine: sim` or `engine: sglang` (a PD role adds
+    --disaggregation-mode and, for prefill, --disaggregation-bootstrap-port)."""
     if spec.engine == "sim":
         cmd = [
             sys.executable, "-m", "sim", "--host", host, "--port", str(port),
@@ -93,7 +111,7 @@ def build_command(spec: WorkerSpec, *, host: str, port: int, metrics_endpoint: s
             cmd += ["--model-name", spec.model]
         if spec.kv_events_endpoint:  # the same config SGLang gets; the sim binds or connects as its --wire release
             cmd += ["--kv-events-config", json.dumps(kv_events_config(spec, host))]
-        return cmd + _flags(spec.engine_args), {}
+        return cmd + _pd_flags(spec) + _flags(spec.engine_args), {}
     if spec.engine == "sglang":
         cmd = [
             sys.executable, "-m", "actors.sglang_launch", "--model-path", str(spec.model),
@@ -101,7 +119,7 @@ def build_command(spec: WorkerSpec, *, host: str, port: int, metrics_endpoint: s
         ]
         # KvMetrics are only sent with --kv-events-config set (SGLang ≥ 0.5.3), even if we do not subscribe
         cmd += ["--kv-events-config", json.dumps(kv_events_config(spec, host))]
-        return cmd + _flags(spec.engine_args), {SGLANG_METRICS_ENV: metrics_endpoint}
+        return cmd + _pd_flags(spec) + _flags(spec.engine_args), {SGLANG_METRICS_ENV: metrics_endpoint}
     raise LaunchError(f"worker {spec.name}: no engine to launch (attach mode)")
 
 

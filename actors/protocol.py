@@ -13,7 +13,7 @@ not tens), and the ingest messages are tagged so one socket carries both kinds.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
@@ -112,6 +112,8 @@ class WorkerReport(msgspec.Struct, array_like=True, frozen=True):
     kv_events_actor: Name | None = None  # the Ray actor (in NAMESPACE) whose `kv_since` routers follow
     kv_events: KvEventsStatus | None = None
     models: Annotated[list[Name], msgspec.Meta(max_length=64)] = []  # the model names it serves ([] = unknown)
+    role: Literal["prefill", "decode", "both"] = "both"  # PD disaggregation role (docs/pd.md)
+    bootstrap_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None  # role prefill: its bootstrap port
 
 
 class ReportBatch(msgspec.Struct, tag="r", array_like=True, frozen=True):
@@ -164,6 +166,8 @@ class WorkerUpdate(msgspec.Struct, array_like=True, frozen=True):
     kv_events_actor: str | None = None
     kv_events: KvEventsStatus | None = None
     models: list[str] = []  # the model names it serves ([] = unknown)
+    role: str = "both"  # PD disaggregation role: prefill | decode | both
+    bootstrap_port: int | None = None  # role prefill: its --disaggregation-bootstrap-port
 
 
 class MetricsUpdate(msgspec.Struct, array_like=True, frozen=True):

@@ -38,6 +38,8 @@ class _Worker:
     kv_events_actor: str | None = None
     kv_events: KvEventsStatus | None = None
     models: list[str] = field(default_factory=list)
+    role: str = "both"
+    bootstrap_port: int | None = None
     state: WorkerState = WorkerState.IDLE
     version: int = 0
     metrics_at: float | None = None  # newest rank's receive time (registry clock)
@@ -131,10 +133,12 @@ class FleetRegistry:
         w.host = host
         if w.url != r.url or w.page_size != r.page_size or w.healthy != r.healthy \
                 or w.health_detail != r.health_detail or w.managed != r.managed \
-                or w.kv_events_actor != r.kv_events_actor or w.kv_events != r.kv_events or w.models != r.models:
+                or w.kv_events_actor != r.kv_events_actor or w.kv_events != r.kv_events or w.models != r.models \
+                or w.role != r.role or w.bootstrap_port != r.bootstrap_port:
             w.url, w.page_size, w.healthy, w.health_detail = r.url, r.page_size, r.healthy, r.health_detail
             w.managed, w.kv_events_actor, w.kv_events = r.managed, r.kv_events_actor, r.kv_events
             w.models = r.models
+            w.role, w.bootstrap_port = r.role, r.bootstrap_port
             changed = True
         ranks_changed = False
         for m in r.ranks:
@@ -255,6 +259,7 @@ class FleetRegistry:
             heartbeat_age_s=max(0.0, now - self._heartbeat_at(w)),
             ranks=self._ranks(w), in_flight_by_replica=remote, version=w.version,
             managed=w.managed, kv_events_actor=w.kv_events_actor, kv_events=w.kv_events, models=w.models,
+            role=w.role, bootstrap_port=w.bootstrap_port,
         )
 
     @staticmethod

@@ -424,7 +424,8 @@ class WorkerActor:
                             healthy=self.healthy, health_detail=self.health_detail, ranks=ranks,
                             managed=self.proc.status.report() if self.proc else None,
                             kv_events_actor=self._actor_name() if kv else None,
-                            kv_events=self._kv_info() if kv else None, models=self.models)
+                            kv_events=self._kv_info() if kv else None, models=self.models,
+                            role=self.spec.role, bootstrap_port=self.spec.bootstrap_port)
 
     def _actor_name(self) -> str:
         if self._own_name is None:

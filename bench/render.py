@@ -300,13 +300,22 @@ def _markdown(doc, agg, rates, targets, oh, goals, plots) -> str:
              + ", ".join(f"`{k}={v}`" for k, v in eng.items())
              + ". Timing model: sim defaults (Llama-3.1-8B on H100: prefill 5 ms + 60 µs/uncached token; decode "
                "8 ms + 0.15 ms/request + 40 ns/KV token per step).")
+    pd = cfg.get("pd")
+    if pd:
+        L.append(f"- Prefill/decode disaggregation ([docs/pd.md](../../docs/pd.md)): the {cfg['workers']} workers are "
+                 f"{pd[0]} prefill sims (`--disaggregation-mode prefill`, each with its bootstrap port) and {pd[1]} "
+                 f"decode sims (`--disaggregation-mode decode`); KV transfer modelled at 1 ms + 5 µs per uncached "
+                 f"prompt token. Every target sends each request to a prefill and a decode sim with the same "
+                 f"bootstrap room and relays the decode sim's stream; the cache hit counts both kinds of sim.")
     pool = eng.get("max_total_num_tokens")
     sp = cfg["workloads"].get("shared_prefix", {}).get("params", {})
     fit = ""
     if pool and sp.get("system_tokens"):
         per = pool // sp["system_tokens"]
+        holders = pd[0] if pd else cfg["workers"]
         fit = (f" The KV pool ({pool:,} tokens per worker) holds {per} shared-prefix system prompts "
-               f"({per * cfg['workers']} in the fleet for {sp.get('groups')} groups), so where a request lands decides "
+               f"({per * holders} in the fleet's {'prefill sims' if pd else 'workers'} for {sp.get('groups')} groups), "
+               f"so where a request lands decides "
                f"whether its prefix is cached, and every group kept on two workers evicts another.")
     L.append(f"- `time_scale` {eng.get('time_scale', 1.0)}: every time in this report is wall-clock milliseconds and "
              f"equals simulated time." + fit)

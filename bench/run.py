@@ -148,6 +148,29 @@ SUITES: dict[str, dict[str, Any]] = {
         "ingest_args": [], "decision_args": [],
         "budget_s": 1800,
     },
+    "pd": {
+        # prefill/decode disaggregation (docs/pd.md): 2 prefill + 2 decode sims, kvroute against
+        # sglang-router's --pd-disaggregation (cache-aware prefill + power-of-two decode, and round
+        # robin on both sides); the shared-prefix workload and the no-sharing control
+        "workers": 4,
+        "pd": [2, 2],
+        "engine": ENGINE,
+        "reps": 2,
+        "duration_s": 4.0,
+        "warmup_s": 0.5,
+        "drain_s": 30.0,
+        "workloads": {
+            # 4 groups: the 2 prefill sims' pools hold 6 system prompts (as 4 workers hold 12 for 8 groups
+            # in the other suites), so where a request's prefill lands decides whether it is cached
+            "shared_prefix": {"rates": [8, 16], "params": {**SP, "groups": 4}},
+            "no_sharing": {"rates": [8, 16], "params": NS},
+        },
+        "targets": ["kvroute-kv_aware", "kvroute-round_robin", "sglang-pd-cache_aware", "sglang-pd-round_robin"],
+        "overhead": {"concurrency": [1, 16], "requests": {"1": 20, "16": 64}, "reps": 1, "max_tokens": 1,
+                     "targets": ["kvroute-kv_aware", "sglang-pd-cache_aware"]},
+        "ingest_args": [], "decision_args": [],
+        "budget_s": 900,
+    },
     "full": {
         "workers": 4,
         "engine": ENGINE,
@@ -484,7 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     fleet = BenchFleet(suite["workers"], suite["engine"], verbose=ns.verbose, progress=progress,
                        models=tuple(suite.get("models", ())),
                        targets_enabled=enabled, kv_events=suite["kv_events"],
-                       router_args={"kv_aware": knobs} if knobs else {}, decision_log_dir=dump)
+                       router_args={"kv_aware": knobs} if knobs else {}, decision_log_dir=dump,
+                       pd=tuple(suite["pd"]) if suite.get("pd") else None)
     trials: list[dict] = []
     overhead: list[dict] = []
     try:

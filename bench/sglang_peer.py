@@ -54,3 +54,25 @@ def _sglang_router_version() -> str:
         return version("sglang-router")
     except PackageNotFoundError:
         return "?"
+
+
+# PD mode (`--pd-disaggregation`, docs/pd.md): a policy per side. "cache_aware" is the pairing
+# sglang-router's PD design names (cache-aware prefill tree, power-of-two decode; issue
+# sgl-project/sglang#7031), with the cache_aware defaults above; "round_robin" the control.
+SGLANG_PD_FLAGS: dict[str, tuple[str, ...]] = {
+    "cache_aware": ("--prefill-policy", "cache_aware", "--decode-policy", "power_of_two",
+                    *SGLANG_ROUTER_FLAGS["cache_aware"][2:], "--worker-startup-check-interval", "30"),
+    "round_robin": ("--prefill-policy", "round_robin", "--decode-policy", "round_robin"),
+}
+
+
+def sglang_router_pd_argv(policy: str, port: int, prefill: list[tuple[str, int]], decode: list[str],
+                          prometheus_port: int) -> list[str]:
+    """sglang-router in PD mode: `--prefill URL BOOTSTRAP_PORT` per prefill server, `--decode URL` per decode one."""
+    argv = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+    for url, bport in prefill:
+        argv += ["--prefill", url, str(bport)]
+    for url in decode:
+        argv += ["--decode", url]
+    return argv + [*SGLANG_PD_FLAGS[policy], "--host", "127.0.0.1", "--port", str(port),
+                   "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port), *SGLANG_COMMON_FLAGS]

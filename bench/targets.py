@@ -52,8 +52,9 @@ from ray.serve.config import RequestRouterConfig
 
 from bench.loadgen import Target
 from bench.sglang_peer import (NODELAY_BY_DEFAULT, NODELAY_SUFFIX, SGLANG_COMMON_FLAGS, SGLANG_NODELAY_NOTE,
-                               SGLANG_PER_MODEL_NOTE, SGLANG_POLICIES, SGLANG_ROUTER_FLAGS,
-                               SGLANG_STALL_NOTE, _sglang_router_version, sglang_router_argv)
+                               SGLANG_PD_FLAGS, SGLANG_PER_MODEL_NOTE, SGLANG_POLICIES, SGLANG_ROUTER_FLAGS,
+                               SGLANG_STALL_NOTE, _sglang_router_version, sglang_router_argv,
+                               sglang_router_pd_argv)
 from serve_app.config import RouterConfig
 from serve_app.proxy import UpstreamClient, UpstreamError, forward_headers
 from serve_app.ray_env import apply_serve_env
@@ -247,6 +248,7 @@ class BenchFleet:
     # several: a multi-model fleet (workers split into equal contiguous shares, one model each); the
     # targets that cannot route by model (Serve's model-blind floors) are left out
     models: tuple[str, ...] = ()
+    pd: tuple[int, int] | None = None  # (prefill, decode) sims instead of `workers` ordinary ones (docs/pd.md)
     tmpdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="kvroute-bench-"))
     serve_port: int = 0
     worker_urls: dict[str, str] = field(default_factory=dict)
@@ -254,6 +256,7 @@ class BenchFleet:
     _procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     _targets: list[Target] = field(default_factory=list)
     _ray_started: bool = False
+    _pd_workers: dict[str, tuple[str, int | None]] = field(default_factory=dict)
 
     def _batching_s(self) -> float:
         """The bare Serve floor relays like the kvroute apps of this fleet."""
@@ -276,12 +279,15 @@ class BenchFleet:
         if len(self.models) > 1 and self.workers < len(self.models):
             raise ValueError(f"{self.workers} workers cannot serve {len(self.models)} models")
         ws = []
-        for i in range(self.workers):
+        roles = ([("prefill", f"prefill-{i}") for i in range(self.pd[0])] + [("decode", f"decode-{i}") for i in range(self.pd[1])]
+                 if self.pd else [("both", f"sim-{i}") for i in range(self.workers)])
+        for i, (role, name) in enumerate(roles):
             port = free_port()
             model = self.model_of(i)
             ws.append({
-                "name": f"sim-{i}", "engine": "sim", "page_size": int(self.engine_args.get("page_size", 16)),
-                "url": f"http://127.0.0.1:{port}", "metrics_endpoint": f"ipc://{self.tmpdir}/sim-{i}.metrics",
+                "name": name, "role": role, **({"bootstrap_port": free_port()} if role == "prefill" else {}),
+                "engine": "sim", "page_size": int(self.engine_args.get("page_size", 16)),
+                "url": f"http://127.0.0.1:{port}", "metrics_endpoint": f"ipc://{self.tmpdir}/{name}.metrics",
                 # one model: the load generators ask for "default"; several: each worker serves its own
                 "model": model or "kvroute-sim",
                 "served_model_names": [model] if model else ["kvroute-sim", "default"],
@@ -326,6 +332,7 @@ class BenchFleet:
                                    port=self.serve_port, address=None, progress=self.progress, verbose=self.verbose)
         base = self._runner.start()
         self.worker_urls = {w.name: w.url for w in fleet.expanded()}
+        self._pd_workers = {w.name: (w.role, w.bootstrap_port) for w in fleet.expanded() if w.role != "both"}
         urls = tuple(self.worker_urls.values())
         want = self.targets_enabled
         multi = len(self.models) > 1
@@ -393,7 +400,19 @@ class BenchFleet:
             serve.run(PrefixIngress.bind(engine), name=name, route_prefix=f"/{name}", blocking=False)
             targets.append(Target(name, (base + f"/{name}",), label=label, notes=notes))
         version = _sglang_router_version()
-        for policy in SGLANG_POLICIES:
+        for policy in SGLANG_PD_FLAGS if self.pd else ():
+            name = f"sglang-pd-{policy}"
+            if not on(name):
+                continue
+            port = free_port()
+            prefill = [(self.worker_urls[n], bp) for n, (r, bp) in self._pd_workers.items() if r == "prefill"]
+            decode = [self.worker_urls[n] for n, (r, _) in self._pd_workers.items() if r == "decode"]
+            self._start_sglang_router(name, policy, port, urls,
+                                      argv=sglang_router_pd_argv(policy, port, prefill, decode, free_port()))
+            targets.append(Target(name, (f"http://127.0.0.1:{port}",), label=f"sglang-router PD {policy}",
+                                  notes=f"sglang-router {version} --pd-disaggregation. Flags: "
+                                        f"`{' '.join(SGLANG_PD_FLAGS[policy])} {' '.join(SGLANG_COMMON_FLAGS)}`"))
+        for policy in SGLANG_POLICIES if not self.pd else ():
             for nodelay in (False, True):
                 name = f"sglang-{policy}{NODELAY_SUFFIX if nodelay else ''}"
                 if not on(name) or (nodelay and want is None and policy not in NODELAY_BY_DEFAULT):
@@ -429,8 +448,8 @@ class BenchFleet:
         return targets
 
     def _start_sglang_router(self, name: str, policy: str, port: int, urls: tuple[str, ...],
-                             nodelay: bool = False) -> None:
-        argv = sglang_router_argv(policy, port, urls, free_port())
+                             nodelay: bool = False, argv: list[str] | None = None) -> None:
+        argv = argv or sglang_router_argv(policy, port, urls, free_port())
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         if nodelay:
             from bench.nodelay import shim_path
@@ -498,8 +517,20 @@ class BenchFleet:
         it, a metrics-driven router would start a trial believing the load the previous target left
         in the workers' last reports (SGLang stops reporting when idle; see `stale_view`)."""
         body = {"model": "default", "messages": [{"role": "user", "content": "poke"}], "max_tokens": 1}
-        rs = await asyncio.gather(*(client.post(u + "/v1/chat/completions", json=body)
-                                    for u in self.worker_urls.values()))
+        if self._pd_workers:  # PD sims take only pairs: each prefill sim with a decode sim, one room each
+            pre = [n for n, (r, _) in self._pd_workers.items() if r == "prefill"]
+            dec = [n for n, (r, _) in self._pd_workers.items() if r == "decode"]
+            posts = []
+            for i in range(max(len(pre), len(dec))):
+                p = pre[i % len(pre)]
+                b = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": self._pd_workers[p][1],
+                     "bootstrap_room": random.getrandbits(63)}
+                posts += [client.post(self.worker_urls[p] + "/v1/chat/completions", json=b),
+                          client.post(self.worker_urls[dec[i % len(dec)]] + "/v1/chat/completions", json=b)]
+            rs = await asyncio.gather(*posts)
+        else:
+            rs = await asyncio.gather(*(client.post(u + "/v1/chat/completions", json=body)
+                                        for u in self.worker_urls.values()))
         bad = [r.status_code for r in rs if r.status_code != 200]
         if bad:
             raise RuntimeError(f"poke failed: {bad}")
@@ -527,7 +558,10 @@ class BenchFleet:
 
     async def stats(self, client: httpx.AsyncClient) -> dict[str, dict[str, Any]]:
         async def one(name: str, url: str) -> tuple[str, dict[str, Any]]:
-            return name, (await client.get(url + "/sim/stats")).json()
+            try:
+                return name, (await client.get(url + "/sim/stats")).json()
+            except httpx.RemoteProtocolError:  # a kept-alive connection the sim closed (uvicorn: 5 s idle) just then
+                return name, (await client.get(url + "/sim/stats")).json()
 
         return dict(await asyncio.gather(*(one(n, u) for n, u in self.worker_urls.items())))
 

@@ -29,6 +29,7 @@ from serve_app.forward import POLICY_HEADER, WORKER_HEADER, Forwarder
 from serve_app.http import ClientGone, HttpError, Receive, Request, Scope, Send, lifespan, send_body, send_error, send_json
 from serve_app.kv_follower import KvFollower
 from serve_app.metrics import RouterMetrics
+from serve_app.pd import decide_pair
 from serve_app.policies import NoWorkerAvailable
 from serve_app.proxy import UpstreamClient
 from serve_app.router import RouterCore
@@ -148,6 +149,12 @@ class KvRouter:
         _, body = await guards.json_body(request, self.config)
         facts, policy, model = self.forwarder.routing_input(request, body)
         try:
+            if self.core.disaggregated(model):  # a prefill + decode pair (docs/pd.md)
+                pair = decide_pair(self.core, facts, policy, model)
+                rec = self.follower.workers.get(pair.decode.worker)
+                await send_json(send, 200, {**pair.as_json(), "model": model,
+                                            "models": rec.models if rec is not None else []})
+                return
             d, _ = self.core.decide(facts, policy, model=model)
         except NoWorkerAvailable as exc:
             raise HttpError(503, str(exc), code="no_worker", headers={"retry-after": "1"}) from None

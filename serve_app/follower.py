@@ -49,6 +49,8 @@ class WorkerRecord(msgspec.Struct, kw_only=True):
     kv_events_actor: str | None = None  # the worker actor to follow for KV events (exact prefix mode)
     kv_events: KvEventsStatus | None = None
     models: list[str] = []  # the model names the worker serves ([] = unknown)
+    role: str = "both"  # PD disaggregation role: prefill | decode | both (docs/pd.md)
+    bootstrap_port: int | None = None  # role prefill: its --disaggregation-bootstrap-port
 
     def managed_view(self) -> dict[str, Any] | None:
         """What /workers shows as `managed`: the engine process, and the KV-event subscription."""
@@ -137,7 +139,7 @@ class FleetFollower:
                 ranks=ranks, metrics_at=None if age is None else now - age, heartbeat_at=now - w.heartbeat_age_s,
                 updated_at=wall, in_flight_by_replica=w.in_flight_by_replica,  # freshly decoded: ours to keep
                 managed=w.managed, kv_events_actor=w.kv_events_actor, kv_events=w.kv_events,
-                models=w.models,
+                models=w.models, role=w.role, bootstrap_port=w.bootstrap_port,
             )
             changed.append(w.name)
         for u in delta.metrics:  # ranks alone changed: update the record we hold in place

@@ -19,6 +19,7 @@ from serve_app.breaker import Breakers
 from serve_app.config import RouterConfig
 from serve_app.http import HttpError, Request, Send, send_body, send_json, send_stream
 from serve_app.metrics import RouterMetrics
+from serve_app.pd import PdDispatch
 from serve_app.policies import NoWorkerAvailable, UnknownPolicy
 from serve_app.proxy import UPSTREAM_ERRORS, Upstream, UpstreamClient, UpstreamError, forward_headers, sse_error_event
 from serve_app.request_facts import InvalidRequestBody
@@ -40,6 +41,7 @@ class Forwarder:
         self.breakers = breakers
         self.metrics = metrics
         self.config = config
+        self.pd = PdDispatch(self)  # prefill/decode pairs (docs/pd.md)
 
     def routing_input(self, request: Request, body: dict[str, Any]) -> tuple[Any, str, str | None]:
         """Routing facts, policy name and model (`RouterCore.resolve_model`) of a request, or its
@@ -63,6 +65,9 @@ class Forwarder:
 
     async def forward(self, request: Request, send: Send, path: str, raw: bytes, body: dict[str, Any]) -> None:
         facts, policy, model = self.routing_input(request, body)
+        if self.core.disaggregated(model):
+            await self.pd.forward(request, send, path, body, facts, policy, model)
+            return
         stream = body.get("stream") is True
         headers = forward_headers(request.headers)
         tried: set[str] = set()

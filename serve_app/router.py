@@ -94,16 +94,18 @@ class RouterCore:
         get_policy(self.default_policy)  # unknown default → error at start, not per request
         self._policies = {name: get_policy(name) for name in POLICIES}
         self._policies["kv_aware"] = KvAware(config.kv_aware)
+        self._side_policies: dict[tuple[str, str], Any] = {}  # PD: (role, name) → that side's instance
         self._base: dict[str, WorkerView] = {}
         # per model: which workers serve it (a worker may serve several names: aliases)
         self._served: dict[str, tuple[str, ...]] = {}  # worker → its model names (absent: unknown)
         self._by_model: dict[str, set[str]] = {}  # model name → workers declaring it
         self._agnostic: set[str] = set()  # workers that declare no model: candidates for any
+        self._roles: dict[str, tuple[str, int | None]] = {}  # PD role workers → (role, bootstrap port)
         self.fleet = FleetView()
         # per model group (a declared name; None: undeclared names → the model-agnostic workers): the
         # workers a request may go to and their own FleetView (None: the whole fleet), kept in step
         # with `fleet` by `_update_view`; rebuilt lazily after membership or models change
-        self._model_fleets: dict[str | None, tuple[frozenset[str], FleetView | None]] = {}
+        self._model_fleets: dict[Any, tuple[frozenset[str], FleetView | None]] = {}
         self._view_sink = SimpleNamespace(update=self._update_view)  # what `refresh_fleet` updates
         follower.on_update = self.on_fleet_update
         self._clock = clock
@@ -119,6 +121,13 @@ class RouterCore:
         for name in changed:
             rec = self.follower.workers.get(name)
             if self._index_models(name, tuple(rec.models) if rec is not None else None) or name not in self._base:
+                self._model_fleets.clear()
+            role = (rec.role, rec.bootstrap_port) if rec is not None and rec.role != "both" else None
+            if self._roles.get(name) != role:
+                if role is None:
+                    self._roles.pop(name, None)
+                else:
+                    self._roles[name] = role
                 self._model_fleets.clear()
             if rec is None:
                 if self.kv_follower is not None:
@@ -240,17 +249,34 @@ class RouterCore:
         refresh_fleet(self._view_sink, self._base, self.ledger, also=hot)  # type: ignore[arg-type]
         return self.fleet
 
-    def _model_group(self, model: str) -> tuple[frozenset[str], FleetView]:
-        """The workers a request for `model` may go to, and the fleet view of just them (call after
-        `views()`; the whole fleet's view when they are all of it)."""
-        group = model if model in self._by_model else None
+    def _model_group(self, model: str | None, role: str | None = None) -> tuple[frozenset[str], FleetView]:
+        """The workers a request for `model` (None: any model) may go to — with `role`, only those of
+        that PD role — and the fleet view of just them (call after `views()`; the whole fleet's view
+        when they are all of it)."""
+        group = ("*" if model is None else model if model in self._by_model else None, role)
         hit = self._model_fleets.get(group)
         if hit is None:
-            names = frozenset(self.serving(model))
+            names = frozenset(self.fleet.names if model is None else self.serving(model))
+            if role is not None:
+                names = frozenset(n for n in names if self._roles.get(n, ("both",))[0] == role)
             whole = len(names) == len(self.fleet) and all(v.name in names for v in self.fleet)
             hit = self._model_fleets[group] = (names, None if whole else
                                                FleetView([v for v in self.fleet if v.name in names]))
         return hit[0], hit[1] if hit[1] is not None else self.fleet
+
+    def disaggregated(self, model: str | None) -> bool:
+        """Whether requests for `model` (a `resolve_model` answer; None: any) go to a prefill + decode
+        pair: some worker that may serve it has a PD role (docs/pd.md)."""
+        if not self._roles:
+            return False
+        if model is None:
+            return True
+        return not self.serving(model).isdisjoint(self._roles)
+
+    def bootstrap_port(self, worker: str) -> int | None:
+        """A prefill worker's --disaggregation-bootstrap-port (None: not a prefill worker)."""
+        role = self._roles.get(worker)
+        return role[1] if role is not None and role[0] == "prefill" else None
 
     # --- decisions ----------------------------------------------------------------------------
 
@@ -271,15 +297,27 @@ class RouterCore:
             get_policy(name)  # raises UnknownPolicy listing the valid names
         return p
 
+    def _role_policy(self, name: str | None, role: str) -> Any:
+        """The policy instance for one PD side: each side keeps its own (a round_robin cycle shared by
+        both sides would pair the same workers for ever; sglang-router also keeps one per side)."""
+        policy = self.policy(name)
+        key = (role, policy.name)
+        p = self._side_policies.get(key)
+        if p is None:
+            p = self._side_policies[key] = KvAware(self.config.kv_aware) if policy.name == "kv_aware" \
+                else get_policy(policy.name)
+        return p
+
     def decide(
         self, request: RouteRequest, policy_name: str | None = None, exclude: set[str] | frozenset[str] = frozenset(),
-        model: str | None = None,
+        model: str | None = None, role: str | None = None,
     ) -> tuple[Decision, RouteRequest]:
-        """Pick a worker serving `model` (a `resolve_model` answer; None: any worker), never one in
-        `exclude` (e.g. already failed for this request). Returns the decision and the request with
-        the prefix overlap it was decided on — pass that one to `on_routed`, so the ledger charges
-        only the blocks the worker must still prefill."""
-        policy = self.policy(policy_name)
+        """Pick a worker serving `model` (a `resolve_model` answer; None: any worker) — with `role`
+        (prefill | decode), only among the workers of that PD role — never one in `exclude` (e.g.
+        already failed for this request). Returns the decision and the request with the prefix
+        overlap it was decided on — pass that one to `on_routed`, so the ledger charges only the
+        blocks the worker must still prefill."""
+        policy = self.policy(policy_name) if role is None else self._role_policy(policy_name, role)
         if request.block_hashes:
             overlap = self.prefix.overlap(self._prefix_keys(request.block_hashes, model))
             synced = self.kv_follower.synced if self.kv_follower is not None else ()
@@ -288,13 +326,15 @@ class RouterCore:
                 overlap = overlap.override({w: exact.get(w, 0) for w in synced})
             request = request.with_overlap(overlap)
         fleet = self.views()
-        if model is not None:  # only the workers of the model are candidates: the policy sees just them
-            serving, fleet = self._model_group(model)
+        if model is not None or role is not None:  # only the model's (role's) workers: the policy sees just them
+            serving, fleet = self._model_group(model, role)
             if not serving or (exclude and serving <= exclude):
+                what = f"{role} worker" if role else "worker"
                 raise NoWorkerAvailable(
-                    f"no routable worker for model {model!r}: " + (
-                        f"all {len(serving)} serving it are excluded for this request (already tried, or circuit "
-                        f"breaker open)" if serving else "no worker serves it any more"))
+                    f"no routable {what}" + (f" for model {model!r}" if model is not None else "") + ": " + (
+                        f"all {len(serving)} are excluded for this request (already tried, or circuit "
+                        f"breaker open)" if serving else f"no {what} serves it"
+                        + (" (a disaggregated fleet needs role: prefill and role: decode workers)" if role else "")))
         if not exclude:
             decision = policy.choose(request, fleet, self.rng)
         else:
@@ -339,13 +379,13 @@ class RouterCore:
 
     def route(
         self, request: RouteRequest, policy_name: str | None = None, exclude: set[str] | frozenset[str] = frozenset(),
-        model: str | None = None,
+        model: str | None = None, role: str | None = None,
     ) -> "RequestTicket":
         """Decide (`decide`) and book the request on the chosen worker (`on_routed`). The ticket
         carries the decision; call its `first_token()` when the first response byte arrives, then
         exactly one of `finished()` or `failed()` (a retry elsewhere is a new `route`, with the
         failed worker in `exclude`). Raises NoWorkerAvailable, UnknownPolicy."""
-        decision, request = self.decide(request, policy_name, exclude, model)
+        decision, request = self.decide(request, policy_name, exclude, model, role)
         request_id = f"{self.replica_id}-{next(self._request_ids)}"
         self.on_routed(request_id, request, decision.worker, model)
         return RequestTicket(decision, request, request_id, self.ledger)
@@ -366,6 +406,8 @@ class RouterCore:
                     "health_detail": rec.health_detail,
                     "page_size": rec.page_size,
                     "models": rec.models,
+                    "role": rec.role,
+                    "bootstrap_port": rec.bootstrap_port,
                     "metrics_age_s": None if rec.metrics_at is None else round(now - rec.metrics_at, 4),
                     "heartbeat_age_s": round(now - rec.heartbeat_at, 4),
                     "metrics": {f: rec.metrics[f] for f in KV_METRICS_FIELDS} if rec.metrics else None,

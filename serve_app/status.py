@@ -23,9 +23,10 @@ def fetch_workers(url: str, api_key: str | None = None, timeout_s: float = 3.0) 
 def render(data: dict[str, Any]) -> Table:
     t = Table(title=f"kvroute workers (snapshot v{data.get('version')})", expand=False)
     with_models = any(w.get("models") for w in data.get("workers", []))  # a column only when workers name them
-    for col in ("worker", *(("model",) if with_models else ()), "state", "run/slots", "wait", "KV", "hit", "in-flt",
-                "age"):
-        t.add_column(col, justify="right" if col not in ("worker", "model", "state") else "left", no_wrap=True)
+    with_roles = any(w.get("role", "both") != "both" for w in data.get("workers", []))  # PD fleets (docs/pd.md)
+    for col in ("worker", *(("model",) if with_models else ()), *(("role",) if with_roles else ()), "state",
+                "run/slots", "wait", "KV", "hit", "in-flt", "age"):
+        t.add_column(col, justify="right" if col not in ("worker", "model", "role", "state") else "left", no_wrap=True)
     for w in data.get("workers", []):
         m = w.get("metrics") or {}
         total = m.get("request_total_slots")
@@ -36,6 +37,8 @@ def render(data: dict[str, Any]) -> Table:
         t.add_row(
             w["name"],
             *((", ".join(w.get("models") or []) or "?",) if with_models else ()),
+            *((w.get("role", "both") + (f" :{w['bootstrap_port']}" if w.get("bootstrap_port") else ""),)
+              if with_roles else ()),
             f"[{_STATE_STYLE.get(w['state'], '')}]{w['state']}[/]",
             running,
             str(m.get("num_requests_waiting", "-")) if m else "-",

@@ -10,6 +10,7 @@ import sys
 from pydantic import ValidationError
 
 from sim.config import EngineConfig, SimConfig
+from sim.disagg import DisaggConfig
 from sim.sglang_shapes import DEFAULT_WIRE, WIRE_FORMS
 
 _ENGINE_DEFAULTS = EngineConfig()
@@ -53,6 +54,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="array: tagged arrays (SGLang <= 0.5.18); map: tagged maps (>= 0.5.20); "
                    "default: the --wire release's")
     p.add_argument("--kv-events-topic", default="")
+    pd = p.add_argument_group("prefill/decode disaggregation (sim.disagg, docs/pd.md)")
+    pd.add_argument("--disaggregation-mode", choices=["null", "prefill", "decode"], default="null",
+                    help="SGLang's flag: prefill (runs a bootstrap server, transfers KV) or decode (fetches it)")
+    pdf = DisaggConfig.model_fields
+    pd.add_argument("--disaggregation-bootstrap-port", type=int, default=pdf["bootstrap_port"].default,
+                    help="prefill: the bootstrap server's port (SGLang's default 8998)")
+    pd.add_argument("--disaggregation-transfer-per-token-us", type=float,
+                    default=pdf["transfer_per_token_s"].default * 1e6,
+                    help="modelled KV transfer time per uncached prompt token (default 5 µs)")
+    pd.add_argument("--disaggregation-bootstrap-timeout", type=float, default=None,
+                    help="prefill: seconds a prefilled request waits for its decode peer "
+                    "(default: $SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT or 300, as SGLang)")
+    pd.add_argument("--disaggregation-waiting-timeout", type=float, default=None,
+                    help="decode: seconds a request waits for its KV "
+                    "(default: $SGLANG_DISAGGREGATION_WAITING_TIMEOUT or 300, as SGLang)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -85,7 +101,14 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             raise ValueError("--kv-events-config: must be a JSON object")
         kv.update({k: v for k, v in given.items() if k in ("endpoint", "replay_endpoint", "topic", "bind",
                                                              "buffer_steps")})
+    disagg = None
+    if args.disaggregation_mode != "null":
+        timeouts = {k: v for k, v in (("bootstrap_timeout_s", args.disaggregation_bootstrap_timeout),
+                                      ("waiting_timeout_s", args.disaggregation_waiting_timeout)) if v is not None}
+        disagg = DisaggConfig(mode=args.disaggregation_mode, bootstrap_port=args.disaggregation_bootstrap_port,
+                              transfer_per_token_s=args.disaggregation_transfer_per_token_us / 1e6, **timeouts)
     return SimConfig(
+        disagg=disagg,
         host=args.host,
         port=args.port,
         model_name=args.model_name,

@@ -19,6 +19,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from sim.disagg import DisaggConfig
 from sim.sglang_shapes import DEFAULT_WIRE, WIRE_FORMS
 
 KvEventsEncoding = Literal["array", "map"]
@@ -98,6 +99,7 @@ class SimConfig(BaseModel):
     kv_events_topic: str = ""
     kv_events_buffer_steps: int = Field(10_000, ge=1, description="batches kept for replay")
     shutdown_grace_s: float = Field(0.5, ge=0, description="how long open streams may finish")
+    disagg: DisaggConfig | None = Field(None, description="prefill/decode disaggregation role (sim.disagg)")
 
     @property
     def events_encoding(self) -> KvEventsEncoding:

@@ -66,6 +66,7 @@ class SimRequest:
     locked: int = 0  # leading pages of `chain` locked in the cache
     private_pages: int = 0
     reserved_pages: int = 0  # pages still to be allocated for future decode tokens
+    prefilled: bool = False  # PD decode side: the prompt's KV came from a prefill server (no compute)
     _outputs: OutputStream | None = None
 
     @property
@@ -197,10 +198,23 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
 
-    def submit(self, rid: str, input_ids: Sequence[int], max_new_tokens: int, now: float) -> SimRequest:
-        """Queue a request (FIFO). Raises RequestRejected if it could never run."""
+    def submit(self, rid: str, input_ids: Sequence[int], max_new_tokens: int, now: float, *,
+               prefilled: bool = False) -> SimRequest:
+        """Queue a request (FIFO). Raises RequestRejected if it could never run. `prefilled`: its
+        prompt's KV was transferred in (PD decode side): admitted like any request, its prompt costs
+        no prefill compute (SGLang's decode server runs a "prebuilt" batch for it)."""
         if rid in self.requests:
             raise RequestRejected(f"request id {rid!r} is already in use")
+        self.check(input_ids, max_new_tokens)
+        req = SimRequest(rid=rid, input_ids=list(input_ids), max_new_tokens=max_new_tokens, arrival=now,
+                         prefilled=prefilled)
+        req._outputs = OutputStream(req.input_ids, self.config.seed)
+        self.requests[rid] = req
+        self.waiting.append(req)
+        return req
+
+    def check(self, input_ids: Sequence[int], max_new_tokens: int) -> None:
+        """Raises RequestRejected if a request could never run here."""
         if not input_ids:
             raise RequestRejected("the prompt is empty: at least one input token is required")
         if max_new_tokens < 0:
@@ -220,11 +234,6 @@ class Engine:
                 f"{self.max_total_num_tokens} (max_total_num_tokens); shorten the prompt or "
                 f"max_tokens"
             )
-        req = SimRequest(rid=rid, input_ids=list(input_ids), max_new_tokens=max_new_tokens, arrival=now)
-        req._outputs = OutputStream(req.input_ids, self.config.seed)
-        self.requests[rid] = req
-        self.waiting.append(req)
-        return req
 
     def abort(self, rid: str, now: float) -> bool:
         """Drop a request (client went away). Its KV is released now or after the batch in flight."""
@@ -279,7 +288,7 @@ class Engine:
                 req.chain = page_digests(req.input_ids, ps)
             matched = self.pool.match(req.chain[:matchable])
             cached = matched * ps
-            uncached = n_in - cached
+            uncached = 0 if req.prefilled else n_in - cached
             if admitted and new_tokens + uncached > self.config.max_prefill_tokens:
                 break
             private_now = -(-n_in // ps) - matched

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sim import protocol, tokenizer
 from sim.config import SimConfig
+from sim.disagg import Bootstrap, DecodeSide, DisaggFailure, MissingBootstrap, PrefillSide, bootstrap_of
 from sim.engine import Engine, KvReport, RequestRejected, SimRequest, TokenOutput
 from sim.kv_event_publisher import KvEventPublisher
 from sim.kv_events import KvEvent
@@ -64,6 +65,8 @@ class _Stream:
     wall_submit: float
     wall_first: float | None = None
     done: bool = False
+    pending: asyncio.Future[None] | None = None  # PD decode: its KV is on the way (then `req` is admitted)
+    handover: Bootstrap | None = None  # PD prefill: the room its KV goes to once prefilled
 
 
 class EngineDown(RuntimeError):
@@ -85,14 +88,19 @@ class EngineDriver:
     def sim_now(self) -> float:
         return (time.monotonic() - self._t0) / self.time_scale
 
-    def submit(self, rid: str, input_ids: list[int], max_new_tokens: int) -> _Stream:
-        """Queue a request; raises RequestRejected (→ 400) if the engine can never serve it."""
+    def submit(self, rid: str, input_ids: list[int], max_new_tokens: int, *, prefilled: bool = False,
+               stream: _Stream | None = None) -> _Stream:
+        """Queue a request; raises RequestRejected (→ 400) if the engine can never serve it. With
+        `stream` (PD decode, once its KV arrived), that stream gets the engine's request."""
         if self.failed is not None:
             raise EngineDown(f"the simulated engine stopped: {self.failed!r}")
         if self._stopping:
             raise RequestRejected("the server is shutting down")
-        req = self.engine.submit(rid, input_ids, max_new_tokens, self.sim_now())
-        stream = _Stream(req=req, queue=asyncio.Queue(), wall_submit=time.monotonic())
+        req = self.engine.submit(rid, input_ids, max_new_tokens, self.sim_now(), prefilled=prefilled)
+        if stream is None:
+            stream = _Stream(req=req, queue=asyncio.Queue(), wall_submit=time.monotonic())
+        else:
+            stream.req = req
         self._streams[rid] = stream
         self._wake.set()
         return stream
@@ -213,6 +221,8 @@ class SimServer:
         self.metrics = SimMetrics(config.model_name)
         self.driver: EngineDriver | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self.prefill_side: PrefillSide | None = None  # PD roles (sim.disagg), made on the serving loop
+        self.decode_side: DecodeSide | None = None
         self.version = release_of(config.wire)  # what /server_info and /v1/loads say the server is
         self.app = _keep_release_routes(self._build_app(), config.wire)
 
@@ -222,6 +232,12 @@ class SimServer:
     async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
         self.driver = EngineDriver(self.engine, self.config.time_scale)
         self._tasks = [asyncio.create_task(self.driver.run(), name="sim-engine")]
+        pd = self.config.disagg
+        if pd is not None and pd.mode == "prefill":
+            self.prefill_side = PrefillSide(pd, self.config.host, self.config.time_scale)
+            await self.prefill_side.start()
+        elif pd is not None:
+            self.decode_side = DecodeSide(pd, self.config.time_scale)
         if self.outputs.publisher is not None and self.outputs.publisher.replay_endpoint:
             self._tasks.append(asyncio.create_task(self._serve_replay(), name="sim-kv-replay"))
         logger.info(
@@ -232,6 +248,9 @@ class SimServer:
         try:
             yield
         finally:
+            for side in (self.prefill_side, self.decode_side):
+                if side is not None:
+                    await side.stop()
             self.driver.stop()
             for task in self._tasks:
                 task.cancel()
@@ -291,6 +310,8 @@ class SimServer:
             "decode_log_interval": e.decode_log_interval,
             "enable_metrics": True,
             "kv_events_config": kv_cfg,
+            "disaggregation_mode": c.disagg.mode if c.disagg else "null",
+            "disaggregation_bootstrap_port": c.disagg.bootstrap_port if c.disagg else 8998,
         }
 
     def _kv_events_info(self) -> dict[str, Any] | None:
@@ -330,7 +351,19 @@ class SimServer:
             "kv_metrics_dropped": em.dropped if em else 0,
             "last_kv_metrics": last.as_dict() if last else None,
             "kv_events_published": self.outputs.publisher.next_seq if self.outputs.publisher else 0,
+            "disagg": self._disagg_stats(),
         }
+
+    def _disagg_stats(self) -> dict[str, Any] | None:
+        """PD handoffs so far (tests read them): prefill transfers / bootstrap timeouts, decode KV received / waiting timeouts."""
+        p, d = self.prefill_side, self.decode_side
+        if p is not None:
+            return {"mode": "prefill", "transfers": p.transfers, "bootstrap_timeouts": p.bootstrap_timeouts,
+                    "open_rooms": len(p.rooms), "recent_rooms": list(p.recent_rooms)}
+        if d is not None:
+            return {"mode": "decode", "received": d.received, "waiting_timeouts": d.waiting_timeouts,
+                    "recent_rooms": list(d.recent_rooms)}
+        return None
 
     def _load_snapshot(self) -> dict[str, Any]:
         s = self.engine.stats()
@@ -362,16 +395,28 @@ class SimServer:
     # -------------------------------------------------------------- request execution
 
     async def _tokens(self, stream: _Stream) -> AsyncIterator[TokenOutput]:
-        """The request's outputs as they are produced; aborts it if the consumer goes away."""
+        """The request's outputs as they are produced; aborts it if the consumer goes away. PD: a
+        decode request first waits for its KV, a prefill request hands its KV over before it ends
+        (both raise DisaggFailure when that fails)."""
         try:
+            if stream.pending is not None:
+                await stream.pending
             while True:
                 out = await stream.queue.get()
                 if stream.wall_first is None:
                     stream.wall_first = time.monotonic()
+                if out.finished and stream.handover is not None and self.prefill_side is not None \
+                        and out.finish_reason != "abort":
+                    req = stream.req
+                    await self.prefill_side.hand_over(
+                        stream.handover, len(req.input_ids), len(req.input_ids) - req.cached_tokens,
+                        (time.monotonic() - stream.wall_submit) / self.config.time_scale)
                 yield out
                 if out.finished:
                     return
         finally:
+            if stream.pending is not None and not stream.pending.done():
+                stream.pending.cancel()
             if not stream.done:
                 self._driver().abort(stream.req.rid)
 
@@ -419,12 +464,48 @@ class SimServer:
             }
         return meta
 
-    def _submit(self, rid: str | None, input_ids: list[int], max_new_tokens: int) -> _Stream:
+    def _submit(self, rid: str | None, input_ids: list[int], max_new_tokens: int, body: Any = None) -> _Stream:
+        """Start a request. With the parsed `body` of a PD server (`--disaggregation-mode`), as that
+        role does it: prefill computes one token then hands its KV to the room's decode server;
+        decode waits for the room's KV (`sim.disagg`), then decodes it without prefill compute."""
         rid = rid or uuid.uuid4().hex
+        pd = self.config.disagg if body is not None else None
         try:
-            return self._driver().submit(rid, input_ids, max_new_tokens)
+            if pd is None:
+                return self._driver().submit(rid, input_ids, max_new_tokens)
+            bootstrap = bootstrap_of(body, pd.mode)
+            if pd.mode == "prefill":  # like SGLang's prefill server: the prompt, one token, the handover
+                stream = self._driver().submit(rid, input_ids, min(max_new_tokens, 1))
+                stream.handover = bootstrap
+                return stream
+            self.engine.check(input_ids, max_new_tokens)
         except RequestRejected as exc:
             raise protocol.BadRequest(str(exc)) from exc
+        except MissingBootstrap as exc:
+            raise protocol.BadRequest(str(exc)) from None
+        placeholder = SimRequest(rid=rid, input_ids=list(input_ids), max_new_tokens=max_new_tokens,
+                                 arrival=self._driver().sim_now())
+        stream = _Stream(req=placeholder, queue=asyncio.Queue(), wall_submit=time.monotonic())
+        stream.pending = asyncio.ensure_future(self._receive_kv(stream, bootstrap, rid, input_ids, max_new_tokens))
+        return stream
+
+    async def _receive_kv(self, stream: _Stream, bootstrap: Bootstrap, rid: str, input_ids: list[int],
+                          max_new_tokens: int) -> None:
+        assert self.decode_side is not None
+        await self.decode_side.receive(bootstrap)
+        try:
+            self._driver().submit(rid, input_ids, max_new_tokens, prefilled=True, stream=stream)
+        except RequestRejected as exc:  # e.g. the rid came into use meanwhile
+            raise DisaggFailure(str(exc)) from None
+
+    async def _sse_guard(self, pieces: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """A PD stream whose KV handoff fails ends with SGLang's error event instead of a reset."""
+        try:
+            async for piece in pieces:
+                yield piece
+        except DisaggFailure as exc:
+            yield _sse({"error": {"message": str(exc), "type": "InternalServerError", "code": 500}})
+            yield _DONE
 
     # -------------------------------------------------------------- routes
 
@@ -443,6 +524,12 @@ class SimServer:
             err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
             where = ".".join(str(p) for p in err["loc"])
             return JSONResponse(protocol.openai_error(f"{where}: {err['msg']}", where or None), status_code=400)
+
+        @app.exception_handler(DisaggFailure)
+        async def _disagg_failed(request: Request, exc: DisaggFailure) -> JSONResponse:
+            if request.url.path.startswith("/generate"):
+                return JSONResponse({"error": {"message": str(exc)}}, status_code=500)
+            return JSONResponse(protocol.openai_error(str(exc), code=500), status_code=500)
 
         @app.exception_handler(EngineDown)
         async def _engine_down(request: Request, exc: EngineDown) -> JSONResponse:
@@ -580,11 +667,11 @@ class SimServer:
             max_new = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
             if max_new is None:
                 max_new = self.engine.config.default_max_new_tokens
-            stream = self._submit(body.rid, protocol.chat_input_ids(body), max_new)
+            stream = self._submit(body.rid, protocol.chat_input_ids(body), max_new, body)
             model = body.model or cfg.model_name
             if body.stream:
                 usage = bool(body.stream_options and body.stream_options.include_usage)
-                return StreamingResponse(self._chat_sse(stream, model, usage), media_type="text/event-stream",
+                return StreamingResponse(self._sse_guard(self._chat_sse(stream, model, usage)), media_type="text/event-stream",
                                          headers=_SSE_HEADERS)
             finish = "length"
             async for out in self._tokens(stream):
@@ -607,11 +694,11 @@ class SimServer:
         async def completions(request: Request) -> Response:
             body = protocol.parse_body(await request.body(), protocol.CompletionRequest)
             ids = protocol.completion_input_ids(body)
-            stream = self._submit(body.rid, ids, body.max_tokens)
+            stream = self._submit(body.rid, ids, body.max_tokens, body)
             model = body.model or cfg.model_name
             if body.stream:
                 usage = bool(body.stream_options and body.stream_options.include_usage)
-                return StreamingResponse(self._completion_sse(stream, model, usage), media_type="text/event-stream",
+                return StreamingResponse(self._sse_guard(self._completion_sse(stream, model, usage)), media_type="text/event-stream",
                                          headers=_SSE_HEADERS)
             finish = "length"
             async for out in self._tokens(stream):
@@ -633,9 +720,9 @@ class SimServer:
             max_new = sp.max_new_tokens if sp is not None and sp.max_new_tokens is not None else None
             if max_new is None:
                 max_new = self.engine.config.default_max_new_tokens
-            stream = self._submit(body.rid, ids, max_new)
+            stream = self._submit(body.rid, ids, max_new, body)
             if body.stream:
-                return StreamingResponse(self._generate_sse(stream), media_type="text/event-stream",
+                return StreamingResponse(self._sse_guard(self._generate_sse(stream)), media_type="text/event-stream",
                                          headers=_SSE_HEADERS)
             finish: str | None = None
             async for out in self._tokens(stream):
@@ -705,9 +792,9 @@ class SimServer:
         yield _DONE
 
     async def _generate_sse(self, stream: _Stream) -> AsyncIterator[bytes]:
-        req = stream.req
         text = ""
         async for out in self._tokens(stream):
+            req = stream.req  # PD decode: the engine's request exists once the KV is in
             if out.token_id is not None:
                 text += tokenizer.decode_token(out.token_id)
             yield _sse({

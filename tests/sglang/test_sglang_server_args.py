@@ -92,6 +92,10 @@ def test_sglang_parses_the_command_line_kvroute_builds(where, spec):
         assert (cfg.endpoint, cfg.replay_endpoint) == (spec.kv_events_endpoint, spec.kv_events_replay_endpoint)
     for key, value in spec.engine_args.items():
         assert getattr(args, key) == value, key
+    if spec.role != "both":  # docs/pd.md: the role's flags reach SGLang as its own
+        assert args.disaggregation_mode == spec.role
+        if spec.role == "prefill":
+            assert args.disaggregation_bootstrap_port == spec.bootstrap_port
 
 
 def sglang_kv_config(raw: str):

@@ -1,0 +1,325 @@
+"""Prefill/decode disaggregation on the router (issue 19 item 3, docs/pd.md): the pair is chosen by
+the same policies on the prefill and on the decode subset, both requests carry the same bootstrap
+fields, the client gets the decode side's answer, and each failure path is handled."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from typing import Any
+
+import pytest
+
+from actors.fleet import FleetError, parse_fleet
+from serve_app.breaker import Breakers
+from serve_app.config import RouterConfig
+from serve_app.follower import FleetFollower, WorkerRecord
+from serve_app.forward import Forwarder
+from serve_app.http import HttpError, Request
+from serve_app.metrics import RouterMetrics
+from serve_app.pd import (ROOM_MAX, batch_size, bootstrap_host, decide_pair, new_rooms, route_pair,
+                          with_bootstrap)
+from serve_app.policies import POLICIES, NoWorkerAvailable
+from serve_app.proxy import UpstreamClient
+from serve_app.router import RouterCore
+from tests.serve_app.support import Clock
+from tests.serve_app.support import unused_aggregator as _unused
+from tests.sim.pd_sims import Sim, free_port, start_sim
+
+
+def put(core: RouterCore, clock: Clock, name: str, role: str, *, url: str | None = None, port: int | None = None,
+        running: int = 0, waiting: int = 0, state: str = "live", models: tuple[str, ...] = ()) -> None:
+    m = dict(request_active_slots=running, request_total_slots=64, kv_active_blocks=running * 50,
+             kv_total_blocks=4096, num_requests_waiting=waiting, gpu_cache_usage_perc=0.0,
+             gpu_prefix_cache_hit_rate=0.0, data_parallel_rank=0)
+    core.follower.workers[name] = WorkerRecord(
+        name=name, url=url or f"http://{name}.local:30000", page_size=16, state=state, healthy=state != "down",
+        metrics=m, metrics_at=clock.t, heartbeat_at=clock.t, models=list(models), role=role,
+        bootstrap_port=(port or 8998) if role == "prefill" else None)
+    core.on_fleet_update([name])
+
+
+def make_core(**router: Any) -> tuple[RouterCore, Clock]:
+    clock = Clock()
+    return RouterCore(RouterConfig(**router), FleetFollower(_unused), "r0", clock=clock), clock
+
+
+def chat(system: str, question: str = "q", **extra: Any) -> dict:
+    return {"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}], **extra}
+
+
+# --- fleet file ---------------------------------------------------------------------------------------
+
+
+def test_a_prefill_entry_without_bootstrap_port_is_an_error_naming_it():
+    with pytest.raises(FleetError, match="p1.*bootstrap_port"):
+        parse_fleet({"workers": [{"name": "p1", "url": "http://127.0.0.1:1", "metrics_endpoint": "ipc:///tmp/p1",
+                                  "role": "prefill"}]}, "fleet.yaml")
+    with pytest.raises(FleetError, match="d1.*bootstrap_port is for role: prefill"):
+        parse_fleet({"workers": [{"name": "d1", "url": "http://127.0.0.1:1", "metrics_endpoint": "ipc:///tmp/d1",
+                                  "role": "decode", "bootstrap_port": 8998}]}, "fleet.yaml")
+    spec = parse_fleet({"workers": [
+        {"name": "p1", "url": "http://127.0.0.1:1", "metrics_endpoint": "ipc:///tmp/p1", "role": "prefill",
+         "bootstrap_port": 8998},
+        {"name": "d1", "url": "http://127.0.0.1:2", "metrics_endpoint": "ipc:///tmp/d1", "role": "decode"},
+        {"name": "w", "url": "http://127.0.0.1:3", "metrics_endpoint": "ipc:///tmp/w"}]}, "fleet.yaml")
+    assert [(w.role, w.bootstrap_port) for w in spec.workers] == [("prefill", 8998), ("decode", None), ("both", None)]
+
+
+def test_kvroute_status_shows_the_roles_of_a_pd_fleet():
+    from rich.console import Console
+
+    from serve_app.status import render
+
+    core, clock = make_core()
+    put(core, clock, "p0", "prefill", port=9100)
+    put(core, clock, "d0", "decode")
+    console = Console(width=200, record=True)
+    console.print(render(core.workers_json()))
+    text = console.export_text()
+    assert "role" in text and "prefill :9100" in text and "decode" in text
+
+
+# --- the bootstrap fields ---------------------------------------------------------------------------
+
+
+def test_bootstrap_fields_are_sglang_routers_host_port_and_a_63_bit_room():
+    assert bootstrap_host("http://10.0.0.7:30000") == "10.0.0.7"
+    assert bootstrap_host("http://[fd00::19d]:8000") == "fd00::19d"
+    assert bootstrap_host("http://prefill-0.svc:30000/") == "prefill-0.svc"
+    rng = random.Random(1)
+    rooms = new_rooms(rng, None) + new_rooms(rng, 500)
+    assert all(0 <= r <= ROOM_MAX for r in rooms) and len(set(rooms)) == len(rooms)
+    assert max(rooms) > 2**62  # the whole range, not a small counter
+    body = {"model": "m", "prompt": "x"}
+    out = with_bootstrap(body, "10.0.0.7", 8998, [5], None)
+    assert out == {"model": "m", "prompt": "x", "bootstrap_host": "10.0.0.7", "bootstrap_port": 8998,
+                   "bootstrap_room": 5}
+    assert "bootstrap_room" not in body  # a copy
+    batched = with_bootstrap({"prompt": ["a", "b"]}, "h", 1, [1, 2], 2)
+    assert batched["bootstrap_host"] == ["h", "h"] and batched["bootstrap_port"] == [1, 1]
+    assert batched["bootstrap_room"] == [1, 2]
+
+
+def test_batch_size_counts_as_sglang_router_does():
+    assert batch_size("/v1/chat/completions", {"n": 3}) == 3
+    assert batch_size("/v1/chat/completions", {"n": 1}) is None
+    assert batch_size("/v1/completions", {"prompt": ["a", "b"]}) == 2
+    assert batch_size("/v1/completions", {"prompt": [1, 2, 3]}) is None  # one tokenized prompt
+    assert batch_size("/v1/completions", {"prompt": "a"}) is None
+    assert batch_size("/generate", {"text": ["a", "b", "c"]}) == 3
+    assert batch_size("/generate", {"input_ids": [[1], [2]]}) == 2
+    assert batch_size("/generate", {"input_ids": [1, 2]}) is None
+
+
+# --- the pair choice ------------------------------------------------------------------------------
+
+
+def test_the_pair_is_one_prefill_and_one_decode_worker_under_every_policy():
+    core, clock = make_core()
+    for name, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"), ("d1", "decode")):
+        put(core, clock, name, role, running=random.Random(name).randint(0, 5))
+    assert core.disaggregated(None)
+    for policy in sorted(POLICIES):
+        for i in range(20):
+            pair = decide_pair(core, core.facts(chat(f"system {i} " * 30)), policy, None)
+            assert pair.prefill.worker in {"p0", "p1"} and pair.decode.worker in {"d0", "d1"}
+            assert pair.bootstrap_port == 8998
+
+
+def test_round_robin_cycles_each_side_on_its_own():
+    """One cycle shared by both sides would pair p1 with d0 for ever on a 2+2 fleet."""
+    core, clock = make_core(policy="round_robin")
+    for name, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"), ("d1", "decode")):
+        put(core, clock, name, role)
+    pairs = [(p.worker, d.worker) for p, d in (route_pair(core, core.facts(chat(f"s{i}")), None, None)
+                                               for i in range(8))]
+    assert {p for p, _ in pairs} == {"p0", "p1"} and {d for _, d in pairs} == {"d0", "d1"}
+
+
+def test_prefill_side_follows_the_prefix_and_decode_side_the_load():
+    """kv_aware on the prefill subset keeps a shared prefix on the prefill worker that has it; on
+    the decode subset (no prefix cache there) it takes the less loaded decode worker."""
+    core, clock = make_core(policy="kv_aware")
+    put(core, clock, "p0", "prefill")
+    put(core, clock, "p1", "prefill")
+    put(core, clock, "d0", "decode", running=40, waiting=3)
+    put(core, clock, "d1", "decode", running=2)
+    system = "You are a helpful assistant with a very long shared system prompt. " * 40
+    first, dec = route_pair(core, core.facts(chat(system, "first")), None, None)
+    assert dec.worker == "d1"
+    for i in range(6):
+        p, d = route_pair(core, core.facts(chat(system, f"question {i}")), None, None)
+        assert p.worker == first.worker, f"request {i} left the prefill worker holding its prefix"
+        assert d.request.overlap == {}  # the decode side is never chosen on prefix affinity
+    # the ledger counts both sides of every pair
+    assert core.ledger.in_flight(first.worker) == 7 and core.ledger.in_flight("d0") + core.ledger.in_flight("d1") == 7
+
+
+def test_no_decode_worker_is_a_503_that_says_so():
+    core, clock = make_core()
+    put(core, clock, "p0", "prefill")
+    with pytest.raises(NoWorkerAvailable, match="no routable decode worker.*role: decode"):
+        decide_pair(core, core.facts(chat("x")), None, None)
+    assert core.ledger.in_flight("p0") == 0  # the prefill side is not left booked
+    fwd = _forwarder(core, None)
+    with pytest.raises(HttpError) as err:
+        asyncio.run(fwd.forward(_request(), _Sink(), "/v1/chat/completions", b"{}", chat("x")))
+    assert err.value.status == 503 and "decode worker" in str(err.value.body())
+    core2, clock2 = make_core()
+    put(core2, clock2, "d0", "decode")
+    put(core2, clock2, "p0", "prefill", state="down")
+    with pytest.raises(NoWorkerAvailable, match="prefill"):
+        decide_pair(core2, core2.facts(chat("x")), None, None)
+
+
+def test_only_the_models_pd_workers_pair_and_other_models_route_as_before():
+    core, clock = make_core()
+    put(core, clock, "p0", "prefill", models=("big",))
+    put(core, clock, "d0", "decode", models=("big",))
+    put(core, clock, "w0", "both", models=("small",))
+    assert core.disaggregated("big") and not core.disaggregated("small")
+    pair = decide_pair(core, core.facts(chat("x")), None, "big")
+    assert (pair.prefill.worker, pair.decode.worker) == ("p0", "d0")
+    assert core.route(core.facts(chat("x")), model="small").worker == "w0"
+
+
+# --- end to end: the router's request path through simulated prefill and decode servers -----------------
+
+
+class _Sink:
+    """An ASGI `send` that keeps what the router answered."""
+
+    def __init__(self) -> None:
+        self.status: int | None = None
+        self.headers: dict[str, str] = {}
+        self.body = b""
+
+    async def __call__(self, msg: dict) -> None:
+        if msg["type"] == "http.response.start":
+            self.status = msg["status"]
+            self.headers = {k.decode(): v.decode() for k, v in msg["headers"]}
+        else:
+            self.body += msg.get("body", b"")
+
+
+def _request() -> Request:
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"", "more_body": False}
+    return Request({"type": "http", "method": "POST", "path": "/v1/chat/completions",
+                    "headers": [(b"content-type", b"application/json")]}, receive)
+
+
+def _forwarder(core: RouterCore, upstream: UpstreamClient | None) -> Forwarder:
+    breakers = Breakers(core.config.breaker)
+    return Forwarder(core, upstream, breakers, RouterMetrics(core, breakers), core.config)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def sims():
+    p = start_sim("prefill", timeout_s=30)
+    d = start_sim("decode", timeout_s=30)
+    yield p, d
+    p.stop()
+    d.stop()
+
+
+def _serve(core: RouterCore, body: dict) -> _Sink:
+    async def go() -> _Sink:
+        up = UpstreamClient(connect_timeout_s=2, read_timeout_s=20)
+        sink = _Sink()
+        try:
+            await _forwarder(core, up).forward(_request(), sink, "/v1/chat/completions", json.dumps(body).encode(), body)
+            await asyncio.sleep(0.3)  # the prefill answer is read to its end in the background
+        finally:
+            await up.aclose()
+        return sink
+    return asyncio.run(go())
+
+
+def _pd_core(p: Sim, d: Sim, **extra_workers: tuple[str, dict]) -> tuple[RouterCore, Clock]:
+    core, clock = make_core(policy="kv_aware", max_attempts=3)
+    put(core, clock, "p0", "prefill", url=p.url, port=p.bootstrap_port, running=20, waiting=10)
+    put(core, clock, "d0", "decode", url=d.url, running=30, waiting=10)
+    for name, (role, kw) in extra_workers.items():
+        put(core, clock, name, role, **kw)
+    return core, clock
+
+
+def _tokens(sse: bytes) -> list[str]:
+    out = []
+    for line in sse.decode().splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            out.append(json.loads(line[6:])["choices"][0]["delta"].get("content") or "")
+    return [t for t in out if t]
+
+
+def test_a_pd_request_completes_through_both_sims_with_matching_bootstrap_fields(sims):
+    p, d = sims
+    core, _ = _pd_core(p, d)
+    before_p, before_d = p.stats()["transfers"], d.stats()["received"]
+    sink = _serve(core, chat("a PD request " * 30, stream=True, max_tokens=7))
+    assert sink.status == 200, sink.body
+    assert sink.headers["x-kvroute-worker"] == "d0" and sink.headers["x-kvroute-prefill-worker"] == "p0"
+    assert len(_tokens(sink.body)) == 7 and sink.body.rstrip().endswith(b"[DONE]")
+    ps, ds = p.stats(), d.stats()
+    assert ps["transfers"] == before_p + 1 and ds["received"] == before_d + 1
+    assert ps["recent_rooms"][-1] == ds["recent_rooms"][-1]  # the same room on both sides
+    assert core.ledger.in_flight("p0") == 0 and core.ledger.in_flight("d0") == 0
+    # non-streamed: the decode side's whole answer
+    sink = _serve(core, chat("another PD request " * 30, max_tokens=4))
+    assert sink.status == 200 and json.loads(sink.body)["usage"]["completion_tokens"] == 4
+
+
+def test_a_prefill_worker_that_is_down_before_the_first_byte_makes_the_pair_retry(sims):
+    p, d = sims
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: refused, as a prefill server that died
+    core, _ = _pd_core(p, d, p_dead=("prefill", {"url": dead, "port": free_port()}))  # idle: chosen first
+    assert decide_pair(core, core.facts(chat("retry me " * 30)), None, None).prefill.worker == "p_dead"
+    sink = _serve(core, chat("retry me " * 30, stream=True, max_tokens=3))
+    assert sink.status == 200 and sink.headers["x-kvroute-prefill-worker"] == "p0"
+    assert len(_tokens(sink.body)) == 3
+    assert core.ledger.in_flight("p_dead") == 0 and core.ledger.in_flight("d0") == 0
+
+
+def test_a_decode_worker_that_is_down_before_the_first_byte_makes_the_pair_retry(sims):
+    p, d = sims
+    core, _ = _pd_core(p, d, d_dead=("decode", {"url": f"http://127.0.0.1:{free_port()}"}))
+    sink = _serve(core, chat("decode retry " * 30, max_tokens=3))
+    assert sink.status == 200, sink.body
+    assert sink.headers["x-kvroute-worker"] == "d0"
+    assert p.stats()["recent_rooms"][-1] == d.stats()["recent_rooms"][-1]  # the retried pair met in its room
+    assert core.ledger.in_flight("d_dead") == 0
+
+
+def test_every_pair_failing_is_a_503_naming_the_attempts(sims):
+    p, _ = sims
+    core, clock = make_core(max_attempts=2)
+    put(core, clock, "p0", "prefill", url=p.url, port=p.bootstrap_port)
+    put(core, clock, "d_dead", "decode", url=f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(HttpError) as err:
+        _serve(core, chat("nobody decodes " * 10, max_tokens=2))
+    assert err.value.status == 503 and "decode worker d_dead" in err.value.body().decode()
+
+
+def test_a_prefill_worker_that_dies_mid_request_makes_the_pair_retry(sims):
+    """The prefill side's 200 has gone out (a streamed request) and then its server dies during the
+    prefill: before the decode side's first byte, so the decode request is dropped and the pair
+    retried on the other prefill worker (sglang-router would leave the decode side waiting 300 s)."""
+    import threading
+
+    p, d = sims
+    slow = start_sim("prefill", timeout_s=30, extra=["--prefill-per-token-us", "200000"])  # ~2.5 s wall per prompt
+    try:
+        core, _ = _pd_core(p, d, p_slow=("prefill", {"url": slow.url, "port": slow.bootstrap_port}))
+        assert decide_pair(core, core.facts(chat("dies mid-way " * 40)), None, None).prefill.worker == "p_slow"
+        killer = threading.Timer(0.5, slow.proc.kill)
+        killer.start()
+        sink = _serve(core, chat("dies mid-way " * 40, stream=True, max_tokens=3))
+        killer.join()
+        assert sink.status == 200, sink.body
+        assert sink.headers["x-kvroute-prefill-worker"] == "p0" and len(_tokens(sink.body)) == 3
+        assert core.ledger.in_flight("p_slow") == 0 and core.ledger.in_flight("d0") == 0
+    finally:
+        slow.stop()

@@ -1,0 +1,114 @@
+"""The simulator's prefill/decode disaggregation (sim.disagg): the bootstrap rendezvous per room, the
+modelled KV transfer, SGLang's refusals and timeouts for requests that reach only one side."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+
+import httpx
+import pytest
+
+from sim.disagg import DisaggConfig
+from tests.sim.pd_sims import start_sim
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """A prefill and a decode sim, 10× faster than real time, with 2 s (simulated) PD timeouts."""
+    p = start_sim("prefill", timeout_s=2.0)
+    d = start_sim("decode", timeout_s=2.0)
+    yield p, d
+    p.stop()
+    d.stop()
+
+
+def _body(room: int, prefill, **extra) -> dict:
+    return {"messages": [{"role": "user", "content": "tell me about disaggregation " * 20}], "max_tokens": 6,
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.bootstrap_port, "bootstrap_room": room,
+            **extra}
+
+
+def test_a_request_sent_to_both_sides_is_decoded_from_the_prefill_servers_kv(pair):
+    p, d = pair
+    room = 2**62 + 17
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        dec = ex.submit(httpx.post, d.url + "/v1/chat/completions", json=_body(room, p, stream=True), timeout=20)
+        time.sleep(0.1)  # decode first: it waits for the room, as SGLang's does
+        pre = ex.submit(httpx.post, p.url + "/v1/chat/completions", json=_body(room, p), timeout=20)
+        dr, pr = dec.result(), pre.result()
+    assert pr.status_code == 200 and dr.status_code == 200
+    assert pr.json()["usage"]["completion_tokens"] == 1  # the prefill server computes the prompt and one token
+    events = [line[6:] for line in dr.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    tokens = [json.loads(e)["choices"][0]["delta"].get("content") for e in events[:-1]]
+    assert len([t for t in tokens if t]) == 6
+    assert room in p.stats()["recent_rooms"] and room in d.stats()["recent_rooms"]
+
+
+def test_prefill_first_then_decode_also_meets_in_the_room(pair):
+    p, d = pair
+    room = 4242
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        pre = ex.submit(httpx.post, p.url + "/generate",
+                        json={"text": "x " * 300, "sampling_params": {"max_new_tokens": 4}, "bootstrap_host": "127.0.0.1",
+                              "bootstrap_port": p.bootstrap_port, "bootstrap_room": room}, timeout=20)
+        time.sleep(0.1)
+        dec = ex.submit(httpx.post, d.url + "/generate",
+                        json={"text": "x " * 300, "sampling_params": {"max_new_tokens": 4}, "bootstrap_host": "127.0.0.1",
+                              "bootstrap_port": p.bootstrap_port, "bootstrap_room": room}, timeout=20)
+        pr, dr = pre.result(), dec.result()
+    assert pr.status_code == 200 and dr.status_code == 200
+    assert len(dr.json()["output_ids"]) == 4
+
+
+def test_a_request_only_the_decode_side_gets_times_out_like_sglangs(pair):
+    p, d = pair
+    before = d.stats()["waiting_timeouts"]
+    t0 = time.monotonic()
+    r = httpx.post(d.url + "/v1/chat/completions", json=_body(777001, p), timeout=20)
+    took = time.monotonic() - t0
+    assert r.status_code == 500
+    assert "KVPoll.WaitingForInput" in r.json()["message"] and "SGLANG_DISAGGREGATION_WAITING_TIMEOUT" in r.json()["message"]
+    assert 0.15 <= took < 5  # 2 simulated seconds at time scale 0.1
+    assert d.stats()["waiting_timeouts"] == before + 1
+    # streamed: SGLang's error event, then [DONE]
+    r = httpx.post(d.url + "/v1/chat/completions", json=_body(777002, p, stream=True), timeout=20)
+    assert r.status_code == 200
+    assert '"error"' in r.text and "KVPoll.WaitingForInput" in r.text and r.text.rstrip().endswith("[DONE]")
+
+
+def test_a_request_only_the_prefill_side_gets_times_out_like_sglangs(pair):
+    p, _ = pair
+    before = p.stats()["bootstrap_timeouts"]
+    r = httpx.post(p.url + "/v1/completions", json={"prompt": "only prefill " * 10, "max_tokens": 3,
+                                                    "bootstrap_room": 55}, timeout=20)
+    assert r.status_code == 500
+    assert "KVPoll.Bootstrapping" in r.json()["message"]
+    stats = p.stats()
+    assert stats["bootstrap_timeouts"] == before + 1 and stats["open_rooms"] == 0
+
+
+def test_a_pd_request_without_a_bootstrap_room_is_refused_with_sglangs_message(pair):
+    p, d = pair
+    for url in (p.url, d.url):
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=5)
+        assert r.status_code == 400
+        assert "without bootstrap room id" in r.text
+    r = httpx.post(d.url + "/generate", json={"text": "hi", "bootstrap_room": 3}, timeout=5)
+    assert r.status_code == 400 and "bootstrap_host" in r.text
+
+
+def test_decode_side_unable_to_reach_the_bootstrap_server_fails_the_request(pair):
+    _, d = pair
+    r = httpx.post(d.url + "/generate", json={"text": "hi", "bootstrap_room": 3, "bootstrap_host": "127.0.0.1",
+                                             "bootstrap_port": 9}, timeout=10)
+    assert r.status_code == 500 and "cannot reach the bootstrap server" in r.text
+
+
+def test_transfer_time_grows_with_the_uncached_prompt():
+    """Configured rate: 5 µs per uncached token → a 10k-token prompt's transfer adds 50 ms (simulated)."""
+    c = DisaggConfig(mode="prefill")
+    assert c.transfer_base_s + c.transfer_per_token_s * 10_000 == pytest.approx(0.051)
+    assert DisaggConfig(mode="decode").waiting_timeout_s == 300.0
