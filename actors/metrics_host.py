@@ -68,7 +68,7 @@ class _Hosted:
         ranks = [RankMetrics(**d) for d in self.book.ranks_report(page).values()]
         return WorkerReport(name=self.name, url=self.spec.url or "", page_size=page, incarnation=self.incarnation,
                             healthy=self.health.healthy, health_detail=self.health.detail, ranks=ranks,
-                            models=self.health.models)
+                            models=self.health.models, role=self.spec.role, bootstrap_port=self.spec.bootstrap_port)
 
     def close(self) -> None:
         self.sock.close(linger=0)

@@ -185,3 +185,26 @@ async def test_an_emulated_worker_without_a_socket_is_pushed_through_changed(hos
     state["active"] = 3
     rig.pipe.changed("emu")
     await _until(lambda: rig.latest("emu") == 3)
+
+
+async def test_a_hosted_workers_report_carries_what_a_worker_actors_does(tmp_path):
+    """What the metrics host reports for a worker: its fleet entry's url, page size, models and PD
+    role, its liveness and its ranks — the same fields `WorkerActor._report` fills in attach mode."""
+    import httpx
+
+    from actors.fleet import WorkerSpec
+    from actors.metrics_host import _Hosted
+
+    spec = WorkerSpec(name="p0", url="http://127.0.0.1:9", metrics_endpoint=f"ipc://{tmp_path}/p0.metrics",
+                      page_size=16, served_model_names=["m"], role="prefill", bootstrap_port=8998)
+    ctx = zmq.asyncio.Context()
+    async with httpx.AsyncClient() as http:
+        w = _Hosted(spec, Settings(), ctx, http, lambda: None)
+        try:
+            r = w.report()
+            assert (r.name, r.url, r.page_size, r.models, r.role, r.bootstrap_port) == \
+                ("p0", "http://127.0.0.1:9", 16, ["m"], "prefill", 8998)
+            assert not r.healthy and r.ranks == [] and r.managed is None and r.kv_events_actor is None
+        finally:
+            w.close()
+    ctx.term()
