@@ -1,4 +1,5 @@
-"""Fleet administration at run time: start the actors of new workers, stop and forget a worker.
+"""Fleet administration at run time: start the metrics plane of new workers (their node's metrics
+host or their own actor, `Settings.metrics_hosting`), stop and forget a worker.
 
 What the router's `/admin/workers` routes call (the router replica does no actor lifecycle of its
 own). Blocking Ray calls run in threads: these are awaited from a replica's serving loop.
@@ -12,7 +13,7 @@ from typing import Any
 from actors.aggregator import get_or_create_aggregator
 from actors.fleet import FleetSpec
 from actors.models import Settings
-from actors.worker_actor import kill_worker_actors, start_worker_actor
+from actors.metrics_host import start_worker, stop_workers
 
 READY_TIMEOUT_S = 300.0  # a managed engine loads its model before its actor is ready
 
@@ -31,10 +32,10 @@ async def add_workers(fleet: FleetSpec, settings: Settings) -> list[dict[str, An
     added = []
     for spec in fleet.expanded():
         try:
-            actor = await asyncio.to_thread(start_worker_actor, spec, settings, detached=True)
+            actor = await asyncio.to_thread(start_worker, spec, settings, detached=True)
             info = await asyncio.wait_for(actor.ready.remote(), timeout=READY_TIMEOUT_S)
         except Exception as exc:
-            await asyncio.to_thread(kill_worker_actors, names=[spec.name])
+            await asyncio.to_thread(stop_workers, names=[spec.name])
             raise AdminError(spec.name, str(exc).strip().splitlines()[-1][:300]) from None
         added.append({"name": spec.name, "url": info.url, "metrics_endpoint": info.metrics_endpoint})
     return added
@@ -46,7 +47,7 @@ async def ensure_workers(fleet: FleetSpec, settings: Settings) -> list[str]:
     failed = []
     for spec in fleet.expanded():
         try:
-            await asyncio.to_thread(start_worker_actor, spec, settings, detached=True, get_if_exists=True)
+            await asyncio.to_thread(start_worker, spec, settings, detached=True, get_if_exists=True)
         except Exception:
             failed.append(spec.name)
     return failed
@@ -55,7 +56,7 @@ async def ensure_workers(fleet: FleetSpec, settings: Settings) -> list[str]:
 async def remove_worker(name: str, settings: Settings) -> bool:
     """Stop the worker's actor (and its managed engine) and drop it from the aggregator's fleet.
     False if no such worker existed."""
-    killed = await asyncio.to_thread(kill_worker_actors, names=[name])
+    killed = await asyncio.to_thread(stop_workers, names=[name])
     aggregator = await asyncio.to_thread(get_or_create_aggregator, settings)
     removed = await aggregator.remove.remote(name)
     return bool(killed or removed)

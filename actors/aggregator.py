@@ -32,7 +32,7 @@ import zmq.asyncio
 
 from actors.models import NAMESPACE, Settings
 from actors.protocol import (
-    MAX_INGEST_FRAME_BYTES, AggregatorStats, Endpoints, InFlightShare, ProtocolError, decode_ingest,
+    MAX_INGEST_FRAME_BYTES, AggregatorStats, Endpoints, HostFrame, InFlightShare, ProtocolError, decode_ingest,
     encode_delta,
 )
 from actors.registry import FleetRegistry, publish_wait_s
@@ -123,6 +123,7 @@ class Aggregator:
         self._pending = False  # the registry changed since the last published delta
         self.reports = 0
         self.shares = 0
+        self.host_frames = 0
         self.refused: Counter = Counter()
         self.published = 0
         self.published_bytes = 0
@@ -171,7 +172,8 @@ class Aggregator:
         return AggregatorStats(pid=os.getpid(), epoch=self._registry.epoch, workers=len(self._registry),
                                version=self._registry.version, reports=self.reports, in_flight_shares=self.shares,
                                refused=dict(self.refused), published=self.published,
-                               published_bytes=self.published_bytes, endpoints=dict(self._bound))
+                               published_bytes=self.published_bytes, endpoints=dict(self._bound),
+                               hosts=self._registry.hosts(), host_frames=self.host_frames)
 
     # --- hot path (ZeroMQ) --------------------------------------------------------------------
 
@@ -235,6 +237,11 @@ class Aggregator:
             if isinstance(msg, InFlightShare):
                 self.shares += 1
                 self._pending |= reg.report_in_flight(msg.replica, msg.counts)
+                continue
+            if isinstance(msg, HostFrame):
+                self.host_frames += 1
+                self.reports += len(msg.reports)
+                self._pending |= reg.host_frame(msg.host, msg.incarnation, msg.workers, msg.reports)
                 continue
             for r in msg.reports:
                 self.reports += 1

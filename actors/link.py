@@ -13,7 +13,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from actors.protocol import Endpoints, InFlightShare, ReportBatch, WorkerReport, encode
+from actors.protocol import Endpoints, HostFrame, InFlightShare, ReportBatch, WorkerReport, encode
 from actors.retry import Backoff
 
 logger = logging.getLogger("kvroute.link")
@@ -51,6 +51,8 @@ class AggregatorLink:
         self.sent = 0
         self.dropped = 0
         self.reconnects = 0
+        self._lock: asyncio.Lock | None = None
+        self.connections = 0  # TCP connections made to an aggregator: a new one may be a restarted aggregator
 
     @property
     def epoch(self) -> str | None:
@@ -64,7 +66,16 @@ class AggregatorLink:
         return self._down_since is None or time.monotonic() - self._down_since < self.stale_s
 
     async def ensure(self) -> bool:
-        """True when a socket is ready to push to; (re)resolves when needed, with back-off."""
+        """True when a socket is ready to push to; (re)resolves when needed, with back-off. Callers
+        sharing one link (several metrics hosts' pipes in one emulator) share one resolution."""
+        if self._sock is not None and self.ready():
+            return True
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            return await self._ensure()
+
+    async def _ensure(self) -> bool:
         if self._sock is not None:
             self._watch()
             if self._down_since is None or time.monotonic() - self._down_since < self.stale_s:
@@ -91,6 +102,11 @@ class AggregatorLink:
 
     def push_reports(self, reports: list[WorkerReport]) -> bool:
         return self._push(ReportBatch(token=self._token(), reports=reports))
+
+    def push_host(self, host: str, incarnation: str, workers: list[str], reports: list[WorkerReport]) -> bool:
+        """A metrics host's frame: the heartbeat of all of `workers`, the whole reports of `reports`."""
+        return self._push(HostFrame(token=self._token(), host=host, incarnation=incarnation, workers=workers,
+                                    reports=reports))
 
     def push_in_flight(self, replica: str, counts: dict[str, int]) -> bool:
         return self._push(InFlightShare(token=self._token(), replica=replica, counts=counts))
@@ -143,6 +159,7 @@ class AggregatorLink:
             event = parse_monitor_message(frames)["event"]
             if event == zmq.EVENT_CONNECTED:
                 self._down_since = None
+                self.connections += 1
             elif event == zmq.EVENT_DISCONNECTED and self._down_since is None:
                 self._down_since = time.monotonic()
 

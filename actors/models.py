@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -68,7 +68,13 @@ class Settings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    # worker actor
+    # worker actor / metrics host
+    metrics_hosting: Literal["node", "worker"] = Field(
+        "node", description="where an attach-mode worker's metrics plane runs (kvroute serve, fleet add): 'node' — "
+        "one metrics host actor per Ray node receives all its workers' metrics and sends one batched frame per "
+        "window, which is also their heartbeat; 'worker' — one actor per worker. Managed workers and workers with "
+        "KV events always get their own actor (it reserves the engine's GPUs / serves the KV log)"
+    )
     push_interval_s: float = Field(0.010, gt=0, description="min gap between metric pushes")
     heartbeat_s: float = Field(0.5, gt=0, description="liveness push period")
     health_interval_s: float = Field(1.0, gt=0, description="HTTP /health probe period")

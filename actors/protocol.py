@@ -132,7 +132,21 @@ class InFlightShare(msgspec.Struct, tag="f", array_like=True, frozen=True):
     counts: dict[str, Count]
 
 
-Ingest = Union[ReportBatch, InFlightShare]
+class HostFrame(msgspec.Struct, tag="h", array_like=True, frozen=True):
+    """A metrics host's frame (one per coalescing window, or a heartbeat when nothing changed for
+    `heartbeat_s`): the whole reports of its workers that changed (of all of them after it
+    (re)connected to the aggregator) and the names of every worker it hosts. The frame itself is
+    their heartbeat: liveness costs one frame per host, not one per worker. A host vouches only
+    for its own workers: a report whose name is not in `workers` makes the frame malformed."""
+
+    token: str
+    host: Name
+    incarnation: Name
+    workers: Annotated[list[Name], msgspec.Meta(max_length=65536)]
+    reports: list[WorkerReport] = []
+
+
+Ingest = Union[ReportBatch, InFlightShare, HostFrame]
 
 
 class WorkerUpdate(msgspec.Struct, array_like=True, frozen=True):
@@ -253,6 +267,19 @@ class WorkerActorStats(msgspec.Struct, frozen=True):
     kv_events: KvEventsCounters | None
 
 
+class HostStats(msgspec.Struct, frozen=True):
+    """`MetricsHost.host_stats()`: a node's metrics host, what it hosts and what it pushed."""
+
+    host: str
+    incarnation: str
+    pid: int
+    workers: list[str]
+    frames: int  # frames queued toward the aggregator (each one its workers' heartbeat)
+    full_frames: int  # of them, frames with every worker's report (start, aggregator reconnects)
+    frames_dropped: int
+    aggregator_connects: int
+
+
 class AggregatorStats(msgspec.Struct, frozen=True):
     """`Aggregator.stats()`: counters for benchmarks and diagnosis."""
 
@@ -266,6 +293,8 @@ class AggregatorStats(msgspec.Struct, frozen=True):
     published: int
     published_bytes: int
     endpoints: dict[str, tuple[str, str]]
+    hosts: int = 0  # metrics hosts heard from (node hosting)
+    host_frames: int = 0  # frames received from them (each one their workers' heartbeat)
 
 
 _ingest_encoder = msgspec.msgpack.Encoder()
@@ -274,11 +303,11 @@ _delta_encoder = msgspec.msgpack.Encoder()
 _delta_decoder = msgspec.msgpack.Decoder(FleetDelta)
 
 
-def encode(msg: ReportBatch | InFlightShare | FleetDelta) -> bytes:
+def encode(msg: ReportBatch | InFlightShare | HostFrame | FleetDelta) -> bytes:
     return _ingest_encoder.encode(msg)
 
 
-def decode_ingest(frame: bytes, max_bytes: int = MAX_INGEST_FRAME_BYTES) -> ReportBatch | InFlightShare:
+def decode_ingest(frame: bytes, max_bytes: int = MAX_INGEST_FRAME_BYTES) -> ReportBatch | InFlightShare | HostFrame:
     """One pushed frame → its message. Raises ProtocolError for anything else."""
     if len(frame) > max_bytes:
         raise ProtocolError(f"frame of {len(frame)} bytes exceeds {max_bytes}")
@@ -286,7 +315,12 @@ def decode_ingest(frame: bytes, max_bytes: int = MAX_INGEST_FRAME_BYTES) -> Repo
         msg = _ingest_decoder.decode(frame)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError(str(exc)[:200]) from None
-    if isinstance(msg, ReportBatch):
+    if isinstance(msg, HostFrame) and msg.reports:
+        hosted = set(msg.workers)
+        for r in msg.reports:
+            if r.name not in hosted:
+                raise ProtocolError(f"host {msg.host}: report for worker {r.name}, which it does not host")
+    if isinstance(msg, (ReportBatch, HostFrame)):
         for r in msg.reports:
             for rank in r.ranks:
                 if not (math.isfinite(rank.gpu_cache_usage_perc) and math.isfinite(rank.gpu_prefix_cache_hit_rate)

@@ -20,6 +20,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.aggregator import get_or_create_aggregator
 from actors.fleet import WorkerSpec
+from actors.health import HealthProbe
 from actors.ingest import MetricsBook
 from actors.kv_events import KvEventError, SeqTracker, decode_kv_event_frame, is_replay_end, replay_reply
 from actors.kv_handshake import KvEventsPlan, SilenceWatch, plan_subscription, rank_endpoint, shows_prefill
@@ -99,11 +100,6 @@ class WorkerActor:
         self.book = MetricsBook(self.settings.max_frame_bytes)
         self.url = self.spec.url
         self.endpoint = self.spec.metrics_endpoint or _default_endpoint(self.name)
-        self.healthy = False
-        self.health_detail = "not probed yet"
-        self._health_timeouts = 0
-        # the model names it serves: as the fleet entry says, else (attach mode) its /v1/models once healthy
-        self.models: list[str] = self.spec.declared_models
         self._stopping = False
         self._wake = asyncio.Event()  # a push now (liveness or status changed): the pipe's push loop sends it
         self._ctx = zmq.asyncio.Context()
@@ -131,6 +127,9 @@ class WorkerActor:
             self._open_kv_subscription()  # before the engine starts: managed engines connect to us
         # one pooled client: SGLang's server keeps the connection alive, so a probe is one request
         self._http = httpx.AsyncClient(timeout=self.settings.health_timeout_s)
+        # the model names it serves: as the fleet entry says, else (attach mode) its /v1/models once healthy
+        self._health = HealthProbe(self.name, self.settings, self._http, self._wake.set,
+                                   models=self.spec.declared_models, discover=not self.spec.managed)
         loop = asyncio.get_running_loop()
         self.proc: ManagedProcess | None = None
         self._launch: asyncio.Task | None = None
@@ -187,6 +186,18 @@ class WorkerActor:
         self._kv_opened_at = time.monotonic()
         for plan in self._kv_plans:
             logger.info("worker %s: KV events %s", self.name, plan.describe())
+
+    @property
+    def healthy(self) -> bool:
+        return self._health.healthy
+
+    @property
+    def health_detail(self) -> str:
+        return self._health.detail
+
+    @property
+    def models(self) -> list[str]:
+        return self._health.models
 
     def _kv_info(self) -> KvEventsStatus:
         """What /workers shows about the KV-event subscription (slow-changing fields only)."""
@@ -433,53 +444,13 @@ class WorkerActor:
         self._wake.set()
 
     def _set_health(self, healthy: bool, detail: str) -> None:
-        if healthy != self.healthy:
-            logger.info("worker %s: %s (%s)", self.name, "healthy" if healthy else "UNHEALTHY", detail)
-            self._wake.set()  # liveness changes are pushed at once, not at the next heartbeat
-        self.healthy, self.health_detail = healthy, detail
+        self._health.set(healthy, detail)
 
     async def _probe(self) -> None:
         if self.proc is not None and not self.proc.alive:
             self._set_health(False, f"engine process {self.proc.status.state}")
             return
-        if not self.url:
-            self._set_health(False, "no url yet")
-            return
-        try:
-            code = (await self._http.get(f"{self.url}/health")).status_code
-        except httpx.TimeoutException:
-            self._health_timeouts += 1
-            if self._health_timeouts >= self.settings.health_timeouts_before_down:
-                self._set_health(False, f"/health timed out {self._health_timeouts}x")
-            return
-        except httpx.HTTPError as exc:
-            self._health_timeouts = 0
-            self._set_health(False, f"/health unreachable: {type(exc).__name__}")
-            return
-        self._health_timeouts = 0
-        if code == 200:
-            self._set_health(True, "ok")
-            if not self.models and not self.spec.managed:
-                await self._ask_models()
-        else:
-            self._set_health(False, f"/health returned {code}")
-
-    async def _ask_models(self) -> None:
-        """Attach mode without `served_model_names`: what the worker's `GET /v1/models` lists (asked at
-        each probe until it answers; until then the worker reports no model)."""
-        try:
-            r = await self._http.get(f"{self.url}/v1/models")
-            ids = [m["id"] for m in r.json()["data"]] if r.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            logger.debug("worker %s: /v1/models not answered (%s)", self.name, type(exc).__name__)
-            return
-        ok = isinstance(ids, list) and all(isinstance(i, str) and 0 < len(i) <= 256 for i in ids)
-        if not ok or not ids:
-            logger.debug("worker %s: /v1/models gave no usable model list (HTTP %s)", self.name, r.status_code)
-            return
-        self.models = list(dict.fromkeys(ids))[:64]
-        logger.info("worker %s serves %s (its /v1/models)", self.name, ", ".join(self.models))
-        self._wake.set()
+        await self._health.probe(self.url)
 
     async def _health_loop(self) -> None:
         while True:

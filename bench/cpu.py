@@ -36,7 +36,7 @@ FAMILIES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("peer router", re.compile(r"sglang_router|sglang::router")),
     ("ingress", re.compile(r"haproxy|ray::HAProxyManager|ray::ProxyActor")),
     ("serve controller", re.compile(r"ray::ServeController")),
-    ("metrics plane", re.compile(r"ray::Aggregator|ray::WorkerActor")),
+    ("metrics plane", re.compile(r"ray::Aggregator|ray::WorkerActor|ray::MetricsHost")),
     ("replica", re.compile(r"ray::ServeReplica:([^:\s]+)")),
     ("ray system", re.compile(r"gcs_server|raylet|dashboard|log_monitor|ray::IDLE|ray/_private|monitor\.py|ray::")),
 )

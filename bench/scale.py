@@ -18,7 +18,8 @@ then R = 4 (3 more followers started cold into the running fleet):
 - cold follower: `FleetFollower.start()` → it holds all N workers.
 
     python -m bench.scale [--workers 100 1000] [--hz 2 10] [--seconds 5] [--emulators 2] [--change-every K]
-    python -m bench.scale --real-actors 4 [--frame-hz 30] [--seconds 20]   # real worker actors' own cost
+    python -m bench.scale --real-actors 4 [--frame-hz 30] [--seconds 20] [--hosting node|worker|both]
+    python -m bench.scale --workers 10000 --hz 2 --change-every 10 --per-host 8   # emulated metrics hosts
 
 A benchmark, not a test: figures vary with the machine's other load (the load average is printed).
 """
@@ -53,18 +54,28 @@ VALUES = dict(request_active_slots=12, request_total_slots=64, kv_active_blocks=
 
 @ray.remote(num_cpus=0)
 class Emulator:
-    """Plays `names` workers, each reporting at `hz` with its phase spread over the period."""
+    """Plays `names` workers, each reporting at `hz` with its phase spread over the period.
+
+    `per_host` 0: each worker sends what a `WorkerActor` sends — its whole report, one frame per
+    report (new values, or the same ones as a heartbeat). `per_host` K > 0 (node hosting): the
+    workers are grouped K to a metrics host, and each group is a real `HostPipe` (the code a
+    `MetricsHost` runs, without the SGLang sockets): a worker's new values go to `changed()`, and
+    the pipe sends what a host sends — one `HostFrame` per coalescing window with the changed
+    workers' reports, a bare heartbeat frame per host when nothing changed."""
 
     def __init__(self, names: list[str], hz: float, base: float, settings: dict[str, Any],
-                 change_every: int = 1) -> None:
+                 change_every: int = 1, per_host: int = 0, host_prefix: str = "h") -> None:
         import uuid
 
         self.names, self.hz, self.base, self.change_every = names, hz, base, change_every
+        self.per_host, self.host_prefix = per_host, host_prefix
         self.reports = {n: 0 for n in names}
         self.settings = settings
         self.incarnation = {n: uuid.uuid4().hex[:12] for n in names}
         self.seq = {n: 0 for n in names}
         self.sent_us = {n: 0 for n in names}
+        self.pipe_of: dict[str, Any] = {}
+        self.pipes: list[Any] = []
         self.missed = 0
         self.offered = 0
         self.sent = 0
@@ -75,28 +86,52 @@ class Emulator:
         return os.getpid()
 
     async def start(self) -> None:
-        self._sender = await _sender(self.settings, hwm=2 * len(self.names))
+        n_hosts = -(-len(self.names) // self.per_host) if self.per_host else 0
+        self._sender = await _sender(self.settings, hwm=2 * (n_hosts or len(self.names)))
+        if self.per_host:
+            from actors.host_pipe import HostPipe
+            from actors.models import Settings
+
+            s = Settings.model_validate(self.settings)
+            for h in range(n_hosts):
+                pipe = HostPipe(f"{self.host_prefix}{h:05d}", self._sender.link, s)
+                for name in self.names[h * self.per_host:(h + 1) * self.per_host]:
+                    pipe.add(name, None, None, lambda n=name: self._build(n))
+                    self.pipe_of[name] = pipe
+                pipe.start()
+                self.pipes.append(pipe)
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     def counters(self) -> EmulatorCounters:
-        return EmulatorCounters(offered=self.offered, sent=self.sent, coalesced=self.coalesced, missed=self.missed)
+        frames = sum(p.frames for p in self.pipes)
+        return EmulatorCounters(offered=self.offered, sent=self.sent + frames, coalesced=self.coalesced,
+                                missed=self.missed)
 
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        for p in self.pipes:
+            p.stop()
         await self._sender.close()
 
-    def _report(self, name: str) -> dict[str, Any]:
-        """What `WorkerActor._batch()` builds: one rank, KV counts already in blocks."""
+    def _tick(self, name: str) -> bool:
+        """A worker's turn: True if it carries new values (else it is a heartbeat)."""
         k = self.reports[name]
         self.reports[name] = k + 1
-        if k == 0 or (self.change_every and k % self.change_every == 0):  # new values; else a heartbeat
+        if k == 0 or (self.change_every and k % self.change_every == 0):
             self.seq[name] += 1
             self.sent_us[name] = int((time.time() - self.base) * 1e6)
-        rank = {**VALUES, "num_requests_waiting": self.sent_us[name], "age_s": 0.0, "seq": self.seq[name]}
-        return {"name": name, "url": f"http://127.0.0.1:1/{name}", "page_size": 16,
-                "incarnation": self.incarnation[name], "healthy": True, "health_detail": "ok",
-                "ranks": {0: rank}}
+            return True
+        return False
+
+    def _build(self, name: str) -> Any:
+        """What `WorkerActor._report()` / a host's worker report builds: one rank, KV counts in blocks."""
+        from actors.protocol import RankMetrics, WorkerReport
+
+        rank = RankMetrics(**{**VALUES, "num_requests_waiting": self.sent_us[name], "age_s": 0.0,
+                              "seq": self.seq[name]})
+        return WorkerReport(name=name, url=f"http://127.0.0.1:1/{name}", page_size=16,
+                            incarnation=self.incarnation[name], healthy=True, health_detail="ok", ranks=[rank])
 
     async def _run(self) -> None:
         n = len(self.names)
@@ -105,6 +140,7 @@ class Emulator:
         t0 = time.monotonic()
         due = [t0 + period * i / n for i in range(n)]
         i = 0
+        hosted = bool(self.per_host)
         while True:
             now = time.monotonic()
             while due[i] <= now:  # the workers whose turn has come, in phase order
@@ -114,11 +150,17 @@ class Emulator:
                     due[i] += period
                     i = (i + 1) % n
                     continue
-                self.offered += 1
-                if self._sender.send(name, self._report(name)):
-                    self.sent += 1
+                new = self._tick(name)
+                if hosted:  # the host's frames are the heartbeats: only new values are offered
+                    if new:
+                        self.offered += 1
+                        self.pipe_of[name].changed(name)
                 else:
-                    self.coalesced += 1
+                    self.offered += 1
+                    if self._sender.send(self._build(name)):
+                        self.sent += 1
+                    else:
+                        self.coalesced += 1
                 due[i] += period
                 i = (i + 1) % n
             await asyncio.sleep(max(0.0, min(tick, due[i] - time.monotonic())))
@@ -144,16 +186,13 @@ def _aggregator(settings: dict[str, Any]) -> Any:
 
 class _ZmqSender:
     """`WorkerActor._push_loop`'s send: one `ReportBatch` frame per report through an
-    `AggregatorLink` (here one link, one PUSH socket, for all the emulator's workers)."""
+    `AggregatorLink` (here one link, one PUSH socket, for all the emulator's workers or hosts)."""
 
     def __init__(self, link: Any) -> None:
-        from actors.protocol import RankMetrics, WorkerReport
+        self.link = link
 
-        self.link, self.rank_cls, self.report_cls = link, RankMetrics, WorkerReport
-
-    def send(self, name: str, report: dict[str, Any]) -> bool:
-        ranks = [self.rank_cls(**r) for r in report.pop("ranks").values()]
-        return self.link.push_reports([self.report_cls(**report, ranks=ranks)])
+    def send(self, report: Any) -> bool:
+        return self.link.push_reports([report])
 
     async def close(self) -> None:
         self.link.close()
@@ -254,14 +293,16 @@ def _window(agg: Any, agg_pid: int, emus: list[Any], hosts: list[Any], host_pids
         ray.get(h.take.remote())
     pids = [agg_pid, floor_pid, *host_pids]
     c0 = {p: _cpu_s(p) for p in pids}
-    r0 = ray.get(agg.stats.remote()).reports
+    a0 = ray.get(agg.stats.remote())
+    r0 = a0.reports
     e0 = ray.get([e.counters.remote() for e in emus])
     before = [ray.get(h.take.remote()) for h in hosts]
     t0 = time.monotonic()
     time.sleep(seconds)
     dt = time.monotonic() - t0
     c1 = {p: _cpu_s(p) for p in pids}
-    r1 = ray.get(agg.stats.remote()).reports
+    a1 = ray.get(agg.stats.remote())
+    r1 = a1.reports
     e1 = ray.get([e.counters.remote() for e in emus])
     took = ray.get([h.take.remote() for h in hosts])
     offered = sum(b.offered - a.offered for a, b in zip(e0, e1)) / dt  # sends made (a starved emulator skips)
@@ -278,22 +319,24 @@ def _window(agg: Any, agg_pid: int, emus: list[Any], hosts: list[Any], host_pids
         "fol_cpu": 100 * fol_cpu, "floor_cpu": 100 * (c1[floor_pid] - c0[floor_pid]) / dt,
         "deltas_s": deltas, "p50": _q(lat, 50), "p99": _q(lat, 99), "samples": len(lat),
         "bytes": nbytes / frames if frames else float("nan"),
+        "frames_s": ((a1.host_frames - a0.host_frames) / dt) if a1.host_frames else absorbed,  # ingest frames/s
     }
 
 
 def run_cell(n: int, hz: float, seconds: float, n_emulators: int, followers: list[int],
-             change_every: int = 1) -> list[dict[str, Any]]:
+             change_every: int = 1, per_host: int = 0, plane: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     from actors.aggregator import get_or_create_aggregator, kill_aggregator
     from actors.models import Settings
 
-    settings = Settings()
+    settings = Settings(**(plane or {}))
     sd = settings.model_dump()
     kill_aggregator()
     agg = get_or_create_aggregator(settings)
     agg_pid = ray.get(agg.stats.remote()).pid
     base = time.time()
     names = [f"w{i:05d}" for i in range(n)]
-    emus = [Emulator.remote(names[k::n_emulators], hz, base, sd, change_every) for k in range(n_emulators)]
+    emus = [Emulator.remote(names[k::n_emulators], hz, base, sd, change_every, per_host, f"h{k}-")
+            for k in range(n_emulators)]
     ray.get([e.start.remote() for e in emus])
     _wait(lambda: ray.get(agg.stats.remote()).workers >= n, 60 + n / 100, f"{n} workers registered")
     floor = FollowerHost.remote(base, sd)  # never started: an idle Ray actor's own CPU floor
@@ -311,7 +354,7 @@ def run_cell(n: int, hz: float, seconds: float, n_emulators: int, followers: lis
         cold = max(ray.get([h.cold_s.remote() for h in new]))
         time.sleep(1.0)
         row = _window(agg, agg_pid, emus, hosts, host_pids, floor_pid, seconds)
-        row.update(n=n, hz=hz, r=r, cold_s=cold, change_every=change_every)
+        row.update(n=n, hz=hz, r=r, cold_s=cold, change_every=change_every, per_host=per_host)
         rows.append(row)
         _print_row(row)
     ray.get([h.stop.remote() for h in hosts])
@@ -340,8 +383,10 @@ def _profile(pids: dict[str, int], seconds: float, out_dir: str) -> list[subproc
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for name, pid in pids.items()]
 
 
-def real_actors(k: int, seconds: float, frame_hz: float = 0.0, profile: str | None = None) -> dict[str, float]:
-    """CPU of `k` real `WorkerActor`s (attach mode: a /health server, no engine) beside `k` bare
+def real_actors(k: int, seconds: float, frame_hz: float = 0.0, profile: str | None = None,
+                hosting: str = "worker", plane: dict[str, Any] | None = None) -> dict[str, float]:
+    """CPU of `k` real `WorkerActor`s (`hosting` 'worker'; 'node': `k` workers hosted by one real
+    `MetricsHost`) (attach mode: a /health server, no engine) beside `k` bare
     async actors, the aggregator and one follower host, % of one core. `frame_hz` > 0: each actor
     receives that many SGLang KvMetrics frames per second (0.5.23 pickle form) from this process —
     SGLang's cadence under load is a frame per prefill batch and every 40 decode steps, tens a
@@ -359,17 +404,25 @@ def real_actors(k: int, seconds: float, frame_hz: float = 0.0, profile: str | No
 
     health = HealthServer()
     tmp = tempfile.mkdtemp(prefix="kvroute-real-")
-    fleet = parse_fleet({"workers": [{"name": f"real{i}", "url": health.url, "metrics_endpoint": f"ipc://{tmp}/r{i}.m"}
-                                     for i in range(k)]})
+    # served_model_names: a real SGLang answers /v1/models once; the /health stand-in never does, and
+    # without declared names every probe would ask it again (a request per worker per second)
+    fleet = parse_fleet({"workers": [{"name": f"real{i}", "url": health.url, "metrics_endpoint": f"ipc://{tmp}/r{i}.m",
+                                      "served_model_names": ["m"]} for i in range(k)], "settings": plane or {}})
     kill_aggregator()
     agg = get_or_create_aggregator(fleet.settings)
     agg_pid = ray.get(agg.stats.remote()).pid
-    actors = [start_worker_actor(w, fleet.settings, name_prefix="scale-real-") for w in fleet.workers]
+    if hosting == "node":
+        from actors.metrics_host import start_hosted_worker
+
+        actors = [start_hosted_worker(w, fleet.settings, prefix="scale-real-host-") for w in fleet.workers]
+    else:
+        actors = [start_worker_actor(w, fleet.settings, name_prefix="scale-real-") for w in fleet.workers]
     ray.get([a.ready.remote() for a in actors])
     bare = [BareActor.remote() for _ in range(k)]
     host = FollowerHost.remote(time.time(), fleet.settings.model_dump())
     ray.get(host.start.remote(k))
-    wpids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in actors])
+    handles = [actors[0].host] if hosting == "node" else actors  # the processes: one host, or k actors
+    wpids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in handles])
     bpids = ray.get([b.pid.remote() for b in bare])
     hpid = ray.get(host.pid.remote())
     stop = threading.Event()
@@ -407,24 +460,27 @@ def real_actors(k: int, seconds: float, frame_hz: float = 0.0, profile: str | No
     stop.set()
     pct = {p: 100 * (c1[p] - c0[p]) / dt for p in c0}
     out = {"worker_actor": statistics.mean(pct[p] for p in wpids), "bare_actor": statistics.mean(pct[p] for p in bpids),
-           "aggregator": pct[agg_pid], "follower": pct[hpid]}
+           "aggregator": pct[agg_pid], "follower": pct[hpid], "processes": len(wpids),
+           "frames": ray.get(agg.stats.remote()).host_frames}
     ray.get(host.stop.remote())
     ray.get([a.stop.remote() for a in actors])
-    for a in [*actors, *bare, host]:
+    for a in [*handles, *bare, host]:
         ray.kill(a)
     kill_aggregator()
     health.close()
     return out
 
 
-HEADER = ("| N × Hz | R | offered/s | absorbed/s | aggregator % core | µs/report | follower % core (floor) "
-          "| deltas/s | fresh p50 / p99 ms | bytes/delta | cold follower s |\n"
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+HEADER = ("| N × Hz | hosting | R | offered/s | absorbed/s | frames/s | aggregator % core | µs/report "
+          "| follower % core (floor) | deltas/s | fresh p50 / p99 ms | bytes/delta | cold follower s |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def _print_row(r: dict[str, Any]) -> None:
     kind = {0: " hb", 1: ""}.get(r["change_every"], f" 1/{r['change_every']}")
-    print(f"| {r['n']:,} × {r['hz']:g}{kind} | {r['r']} | {r['offered']:,.0f} | {r['absorbed']:,.0f} | {r['agg_cpu']:.0f} "
+    hosting = f"{r['per_host']}/host" if r["per_host"] else "worker"
+    print(f"| {r['n']:,} × {r['hz']:g}{kind} | {hosting} | {r['r']} | {r['offered']:,.0f} | {r['absorbed']:,.0f} "
+          f"| {r['frames_s']:,.0f} | {r['agg_cpu']:.0f} "
           f"| {r['us_per_report']:.0f} | {r['fol_cpu']:.1f} ({r['floor_cpu']:.1f}) | {r['deltas_s']:.0f} "
           f"| {r['p50']:.0f} / {r['p99']:.0f} | {r['bytes']:,.0f} | {r['cold_s']:.2f} |", flush=True)
 
@@ -439,9 +495,18 @@ def main() -> int:
     ap.add_argument("--change-every", type=int, default=1, metavar="K",
                     help="every K-th report of a worker carries new values, the others repeat them (heartbeats); "
                          "0: heartbeats only (an idle fleet: nothing to publish). Rows are marked 1/K or hb")
+    ap.add_argument("--per-host", type=int, default=0, metavar="K",
+                    help="node hosting: emulated workers grouped K to a metrics host, each host a real HostPipe "
+                         "sending batched HostFrames (offered/s then counts new values only: the host's frames are "
+                         "the heartbeats); 0: one frame per worker report, as WorkerActors send")
+    ap.add_argument("--coalesce-s", type=float, default=None,
+                    help="Settings.coalesce_s for the run (default: the setting's default, 0.05)")
     ap.add_argument("--real-actors", type=int, default=0, metavar="K",
                     help="instead: K real WorkerActors beside K bare async actors, the aggregator and one follower, "
                          "CPU of each over --seconds")
+    ap.add_argument("--hosting", choices=["node", "worker", "both"], default="both",
+                    help="with --real-actors: the workers in one MetricsHost (node), in their own WorkerActors "
+                         "(worker), or both one after the other")
     ap.add_argument("--frame-hz", type=float, default=0.0,
                     help="with --real-actors: SGLang frames per second sent to each actor (0: idle)")
     ap.add_argument("--profile", metavar="DIR",
@@ -460,20 +525,28 @@ def main() -> int:
 
     ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
     if ns.real_actors:
-        k, r = ns.real_actors, real_actors(ns.real_actors, ns.seconds, ns.frame_hz, ns.profile)
-        plane = k * r["worker_actor"] + r["aggregator"] + r["follower"]
-        print(f"{k} real WorkerActors, {ns.frame_hz:g} SGLang frames/s each, {ns.seconds:g} s; % of one core: "
-              f"WorkerActor {r['worker_actor']:.2f} each (bare async actor {r['bare_actor']:.2f} → "
-              f"{r['worker_actor'] - r['bare_actor']:.2f} above the floor), aggregator {r['aggregator']:.2f}, "
-              f"follower {r['follower']:.2f}; metrics plane total {plane:.1f} "
-              f"({plane - (k + 2) * r['bare_actor']:.1f} above {k + 2} actor floors)")
+        k = ns.real_actors
+        for hosting in (["node", "worker"] if ns.hosting == "both" else [ns.hosting]):
+            r = real_actors(k, ns.seconds, ns.frame_hz, ns.profile, hosting,
+                            {"coalesce_s": ns.coalesce_s} if ns.coalesce_s else None)
+            m = r["processes"]  # worker-side processes: k worker actors, or one metrics host
+            plane = m * r["worker_actor"] + r["aggregator"] + r["follower"]
+            what = f"{k} workers in 1 real MetricsHost" if hosting == "node" else f"{k} real WorkerActors"
+            side = (f"MetricsHost {r['worker_actor']:.2f}" if hosting == "node" else
+                    f"WorkerActor {r['worker_actor']:.2f} each")
+            print(f"{what}, {ns.frame_hz:g} SGLang frames/s each, {ns.seconds:g} s, load {os.getloadavg()[0]:.1f}; "
+                  f"% of one core: {side} (bare async actor {r['bare_actor']:.2f} → "
+                  f"{r['worker_actor'] - r['bare_actor']:.2f} above the floor), aggregator {r['aggregator']:.2f}, "
+                  f"follower {r['follower']:.2f}; metrics plane total {plane:.1f} "
+                  f"({plane - (m + 2) * r['bare_actor']:.1f} above {m + 2} actor floors)", flush=True)
         ray.shutdown()
         return 0
     print(HEADER, flush=True)
     try:
         for n in ns.workers:
             for hz in ns.hz:
-                run_cell(n, hz, ns.seconds, ns.emulators, sorted(ns.followers), ns.change_every)
+                run_cell(n, hz, ns.seconds, ns.emulators, sorted(ns.followers), ns.change_every, ns.per_host,
+                         {"coalesce_s": ns.coalesce_s} if ns.coalesce_s else None)
     finally:
         ray.shutdown()
     print(f"\nload average at end {os.getloadavg()[0]:.2f}")

@@ -57,7 +57,7 @@ class FleetRunner:
         from ray import serve
 
         from actors.aggregator import get_or_create_aggregator
-        from actors.worker_actor import start_worker_actor
+        from actors.metrics_host import start_worker
         from serve_app.app import build_app
 
         secrets_via_env = not self.address
@@ -83,7 +83,7 @@ class FleetRunner:
         workers = self.fleet.expanded()
         self.progress(f"starting {len(workers)} worker actor(s) …")
         for spec in workers:
-            self.actors[spec.name] = start_worker_actor(spec, settings)
+            self.actors[spec.name] = start_worker(spec, settings)
         for name, actor in self.actors.items():
             try:
                 info = ray.get(actor.ready.remote(), timeout=300)
@@ -107,7 +107,7 @@ class FleetRunner:
         from ray import serve
 
         from actors.aggregator import kill_aggregator
-        from actors.worker_actor import kill_worker_actors
+        from actors.metrics_host import stop_workers
 
         if not ray.is_initialized():
             return
@@ -122,7 +122,7 @@ class FleetRunner:
                 ray.kill(a, no_restart=True)
             except Exception:
                 pass
-        kill_worker_actors()  # and any worker added at run time (fleet add: detached actors)
+        stop_workers()  # and any worker added at run time (fleet add: detached actors), and the metrics hosts
         self.progress("stopping the router …")
         try:
             serve.delete(APP_NAME)
@@ -318,14 +318,14 @@ def cmd_down(ns: argparse.Namespace) -> int:
     from ray import serve
 
     from actors.aggregator import kill_aggregator
-    from actors.worker_actor import kill_worker_actors
+    from actors.metrics_host import stop_workers
 
     ray.init(address=ns.address, namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
     try:
         serve.delete(APP_NAME)
     except Exception as exc:
         log.info("serve delete: %s", exc)
-    workers = kill_worker_actors()
+    workers = stop_workers()
     agg = kill_aggregator()
     print(f"kvroute down: removed app {APP_NAME!r}, {len(workers)} worker actor(s), "
           f"aggregator {'killed' if agg else 'not found'}")

@@ -224,3 +224,83 @@ def test_the_aggregator_publishes_a_large_fleet_every_window_and_coalesces_a_sma
     assert publish_wait_s(s, drained=40, elapsed_s=0.05, changed=True) == 0.01
     # heartbeats that changed nothing: drained every 5 windows whatever their number
     assert publish_wait_s(s, drained=2000, elapsed_s=0.05, changed=False) == 0.05
+
+
+# --- node hosting: a metrics host's frame is the heartbeat of every worker it names ---------------
+
+
+def test_a_host_frame_registers_its_reports_and_its_later_empty_frames_keep_all_its_workers_up():
+    clock = Clock()
+    reg = FleetRegistry(S, clock=clock)
+    assert reg.host_frame("h1", "i1", ["a", "b"], [batch("a"), batch("b")])
+    assert {w.name: w.state for w in workers(reg)} == {"a": "idle", "b": "idle"}
+    for _ in range(10):  # 5 s of heartbeats carrying no report at all
+        clock.t += 0.5
+        reg.host_frame("h1", "i1", ["a", "b"], [])
+        reg.tick()
+    assert {w.name: w.state for w in workers(reg)} == {"a": "idle", "b": "idle"}
+    assert all(w.heartbeat_age_s == 0.0 for w in workers(reg))
+    assert reg.hosts() == 1
+
+
+def test_a_silent_host_takes_all_its_workers_down_after_down_after_s_and_they_return_with_it():
+    clock = Clock()
+    reg = FleetRegistry(S, clock=clock)
+    reg.host_frame("h1", "i1", ["a", "b"], [batch("a"), batch("b")])
+    reg.report(batch("solo"))  # a worker with its own actor, reporting on its own
+    reg.take_delta()
+    clock.t += S.down_after_s + 0.1
+    reg.report(batch("solo"))
+    assert reg.tick()
+    states = {w.name: w.state for w in workers(reg)}
+    assert states == {"a": "down", "b": "down", "solo": "idle"}
+    delta = reg.take_delta()
+    assert {w.name for w in delta.workers} >= {"a", "b"}
+    clock.t += 0.5
+    assert reg.host_frame("h1", "i1", ["a", "b"], [])  # the host is back: a heartbeat alone revives them
+    assert {w.name: w.state for w in workers(reg)}["a"] == "idle"
+
+
+def test_a_worker_the_host_stops_naming_is_no_longer_vouched_for_and_goes_down():
+    clock = Clock()
+    reg = FleetRegistry(S, clock=clock)
+    reg.host_frame("h1", "i1", ["a", "b"], [batch("a"), batch("b")])
+    for _ in range(6):
+        clock.t += 0.5
+        reg.host_frame("h1", "i1", ["a"], [])
+        reg.tick()
+    assert {w.name: w.state for w in workers(reg)} == {"a": "idle", "b": "down"}
+
+
+def test_a_hosted_workers_own_health_failure_is_reported_per_worker():
+    clock = Clock()
+    reg = FleetRegistry(S, clock=clock)
+    reg.host_frame("h1", "i1", ["a", "b"], [batch("a"), batch("b")])
+    reg.host_frame("h1", "i1", ["a", "b"], [batch("b", healthy=False)])
+    assert {w.name: w.state for w in workers(reg)} == {"a": "idle", "b": "down"}
+
+
+def test_a_host_heartbeat_costs_no_per_worker_work_in_tick():
+    """O(hosts) liveness: with 5,000 hosted workers, heartbeats and ticks never re-derive a worker
+    until their host goes quiet (counted through the registry's re-derivation)."""
+    clock = Clock()
+    reg = FleetRegistry(S, clock=clock)
+    names = [f"w{i}" for i in range(5000)]
+    reg.host_frame("h1", "i1", names, [batch(n) for n in names])
+    calls = 0
+    original = reg._rederive
+
+    def counting(w, now):
+        nonlocal calls
+        calls += 1
+        return original(w, now)
+
+    reg._rederive = counting
+    for _ in range(20):
+        clock.t += 0.1
+        reg.host_frame("h1", "i1", names, [])
+        reg.tick()
+    assert calls == 0
+    clock.t += S.down_after_s + 0.1
+    reg.tick()
+    assert calls == 5000 and all(w.state == "down" for w in workers(reg))

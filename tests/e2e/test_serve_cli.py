@@ -1,4 +1,5 @@
-"""`kvroute serve` with a managed fleet file, an API key and a body limit, through the real CLI."""
+"""`kvroute serve` with a fleet file (a managed worker, and an attach-mode one hosted by the node's
+metrics host), an API key and a body limit, through the real CLI."""
 
 from __future__ import annotations
 
@@ -20,13 +21,29 @@ KEY = "e2e-secret-key-123"
 def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     fleet = tmp / "fleet.yaml"
+    sim_port = free_port()
     fleet.write_text(
         "workers:\n"
         "  - name: one\n    engine: sim\n    page_size: 16\n"
         f"    metrics_endpoint: ipc://{tmp}/one.metrics\n"
         "    engine_args: {time_scale: 0.2}\n"
+        f"  - name: attached\n    url: http://127.0.0.1:{sim_port}\n    page_size: 16\n"
+        f"    metrics_endpoint: ipc://{tmp}/attached.metrics\n"
     )
     port = free_port()
+    while port == sim_port:  # free_port() releases the port it found: pick both before the sim binds one
+        port = free_port()
+    sim = subprocess.Popen([sys.executable, "-m", "sim", "--port", str(sim_port), "--metrics-endpoint",
+                            f"ipc://{tmp}/attached.metrics", "--time-scale", "0.2"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # the attach worker is up before kvroute serve probes it
+        try:
+            if httpx.get(f"http://127.0.0.1:{sim_port}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("KVROUTE_API_KEY", None)
     proc = subprocess.Popen(
@@ -51,6 +68,8 @@ def served(tmp_path_factory):
             proc.wait(timeout=40)
         except subprocess.TimeoutExpired:
             proc.kill()
+    sim.terminate()
+    sim.wait(timeout=10)
 
 
 def test_every_route_but_healthz_needs_the_key(served):
@@ -64,6 +83,29 @@ def test_every_route_but_healthz_needs_the_key(served):
         assert KEY not in r.text
     ok = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {KEY}"}, timeout=60)
     assert ok.status_code == 200 and ok.headers["x-kvroute-worker"] == "one"
+
+
+def test_the_attach_worker_is_served_through_the_nodes_metrics_host(served):
+    url, auth = served["url"], {"authorization": f"Bearer {KEY}"}
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        states = {w["name"]: w["state"] for w in httpx.get(f"{url}/workers", headers=auth, timeout=10).json()["workers"]}
+        if states.get("attached") in ("idle", "live"):
+            break
+        time.sleep(0.2)
+    assert states.get("attached") in ("idle", "live"), states
+    assert any("worker attached: metrics on" in ln for ln in served["out"])
+    from sim.config import SimConfig
+
+    # the attach sim serves its own model name (its /v1/models); the managed `one` declares none (any)
+    body = {"model": SimConfig().model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    hit = set()
+    for _ in range(12):
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, headers={**auth, "x-kvroute-policy": "round_robin"},
+                       timeout=60)
+        assert r.status_code == 200
+        hit.add(r.headers["x-kvroute-worker"])
+    assert hit == {"one", "attached"}
 
 
 def test_bodies_above_the_limit_get_413(served):

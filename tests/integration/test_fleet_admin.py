@@ -61,3 +61,28 @@ def test_add_route_remove_without_restarting_the_router(client, tmp_path):
     assert r.status_code == 200
     wait_for(lambda: client.get("/workers").json()["workers"] == [], 10, what="worker gone")
     assert client.delete("/admin/workers/added", headers=admin).status_code == 404
+
+
+def test_an_attach_worker_added_at_run_time_is_hosted_by_its_nodes_metrics_host(client, tmp_path):
+    import ray
+
+    from actors.metrics_host import list_hosts, stop_workers
+    from actors.models import NAMESPACE
+    from tests.integration.helpers import HealthServer
+
+    admin = {"authorization": f"Bearer {ADMIN}"}
+    server = HealthServer()
+    try:
+        r = client.post("/admin/workers", headers=admin, json={"workers": [
+            {"name": "hosted-added", "url": server.url, "metrics_endpoint": f"ipc://{tmp_path}/hosted.metrics"}]})
+        assert r.status_code == 200, r.text
+        wait_for(lambda: [w["state"] for w in client.get("/workers").json()["workers"]] == ["idle"], 10,
+                 what="the hosted worker in the router's view")
+        hosts = [ray.get_actor(h, namespace=NAMESPACE) for h in list_hosts()]
+        assert any("hosted-added" in ray.get(h.workers.remote(), timeout=10) for h in hosts)
+        assert client.delete("/admin/workers/hosted-added", headers=admin).status_code == 200
+        wait_for(lambda: client.get("/workers").json()["workers"] == [], 10, what="worker gone")
+        assert not any("hosted-added" in ray.get(h.workers.remote(), timeout=10) for h in hosts)
+    finally:
+        stop_workers(names=["hosted-added"])
+        server.close()

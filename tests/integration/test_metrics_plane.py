@@ -88,11 +88,13 @@ def test_hostile_frames_at_the_ingest_are_counted_and_never_reach_the_registry(a
 
 class _Fleet(threading.Thread):
     """`n` emulated workers reporting every `period_s` through `AggregatorLink`, the worker actors'
-    own transport (one link for all of them, as a per-node relay would)."""
+    own transport (one link for all of them). `per_host` K > 0: node hosting — the workers grouped
+    K to a metrics host, each host a real `HostPipe` (what `MetricsHost` runs) sending batched
+    `HostFrame`s over that link: new values through `changed()`, the host's frames their heartbeat."""
 
-    def __init__(self, n: int, period_s: float = 0.5) -> None:
+    def __init__(self, n: int, period_s: float = 0.5, per_host: int = 0) -> None:
         super().__init__(daemon=True)
-        self.n, self.period_s = n, period_s
+        self.n, self.period_s, self.per_host = n, period_s, per_host
         self.names = [f"scale-{i:04d}" for i in range(n)]
         self.stop = threading.Event()
         self.sent = 0
@@ -106,6 +108,9 @@ class _Fleet(threading.Thread):
         from actors.protocol import RankMetrics, WorkerReport
 
         link = AggregatorLink(lambda: asyncio.to_thread(get_or_create_aggregator), ctx=None, hwm=100_000)
+        if self.per_host:
+            await self._hosted(link)
+            return
         seq = 0
         while not self.stop.is_set():
             seq += 1
@@ -120,8 +125,66 @@ class _Fleet(threading.Thread):
             await asyncio.sleep(max(0.0, self.period_s - (time.monotonic() - t0)))
         link.close()
 
+    async def _hosted(self, link) -> None:
+        from actors.host_pipe import HostPipe
+        from actors.models import Settings
+        from actors.protocol import RankMetrics, WorkerReport
 
-def test_aggregator_restart_under_1000_emulated_workers_all_back_within_2s_no_failed_route(agg, serve_port):
+        seq = {name: 0 for name in self.names}
+
+        def report(i: int, name: str) -> WorkerReport:
+            return WorkerReport(name=name, url=f"http://127.0.0.1:9/{name}", page_size=16, incarnation="i",
+                                healthy=True, ranks=[RankMetrics(i % 8, 8, 10, 100, 0, 0.1, 0.0, 0, 0.0, seq[name])])
+
+        pipes = []
+        for h in range(0, self.n, self.per_host):
+            pipe = HostPipe(f"scale-host-{h // self.per_host}", link, Settings())
+            for i in range(h, min(h + self.per_host, self.n)):
+                pipe.add(self.names[i], None, None, lambda i=i, n=self.names[i]: report(i, n))
+            pipe.start()
+            pipes.append(pipe)
+        while not self.stop.is_set():  # every worker changes every period, spread over it
+            t0 = time.monotonic()
+            for k, pipe in enumerate(pipes):
+                for name in pipe.names():
+                    seq[name] += 1
+                    pipe.changed(name)
+                if k % 10 == 9:
+                    await asyncio.sleep(self.period_s / (len(pipes) / 10))
+            self.sent = sum(p.frames for p in pipes)
+            await asyncio.sleep(max(0.0, self.period_s - (time.monotonic() - t0)))
+        for pipe in pipes:
+            pipe.stop()
+        link.close()
+
+
+def test_hostile_host_frames_are_refused_and_a_host_vouches_only_for_workers_it_names(agg):
+    import ray
+
+    from actors.protocol import HostFrame, WorkerReport, encode
+
+    ep = ray.get(agg.endpoints.remote(), timeout=10)
+    before = ray.get(agg.stats.remote(), timeout=10)
+    r = WorkerReport(name="intruder-host", url="http://127.0.0.1:9", page_size=16, incarnation="i", healthy=True)
+    sock = _push(ep.ingest)
+    sock.send(encode(HostFrame(token="not-the-token", host="h", incarnation="i", workers=["intruder-host"],
+                               reports=[r])))
+    sock.send(encode(HostFrame(token=ep.token, host="h", incarnation="i", workers=["someone-else"], reports=[r])))
+    ok = f"honest-host-{uuid.uuid4().hex[:6]}"
+    sock.send(encode(HostFrame(token=ep.token, host="h-ok", incarnation="i", workers=[ok],
+                               reports=[WorkerReport(name=ok, url="http://127.0.0.1:9", page_size=16, incarnation="i",
+                                                     healthy=True)])))
+    wait_for(lambda: ok in ray.get(agg.names.remote(), timeout=10), 10, what="the honest host frame applied")
+    after = ray.get(agg.stats.remote(), timeout=10)
+    sock.close(linger=0)
+    assert after.refused.get("token", 0) - before.refused.get("token", 0) == 1
+    assert after.refused.get("malformed", 0) - before.refused.get("malformed", 0) == 1
+    assert "intruder-host" not in ray.get(agg.names.remote(), timeout=10)
+    assert ray.get(agg.remove.remote(ok), timeout=10)
+
+
+@pytest.mark.parametrize("per_host", [0, 8], ids=["per-worker", "node-hosts"])
+def test_aggregator_restart_under_1000_emulated_workers_all_back_within_2s_no_failed_route(agg, serve_port, per_host):
     import ray
     from ray import serve
 
@@ -129,7 +192,7 @@ def test_aggregator_restart_under_1000_emulated_workers_all_back_within_2s_no_fa
     from serve_app.app import build_app
 
     n = 1000
-    fleet = _Fleet(n)
+    fleet = _Fleet(n, per_host=per_host)
     fleet.start()
     serve.run(build_app({"manage_fleet": False, "router": {"policy": "least_loaded"}}), name="scale",
               route_prefix="/scale")

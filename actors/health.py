@@ -1,0 +1,80 @@
+"""One worker's liveness as its hosting process sees it: the HTTP /health probe and (attach mode)
+model discovery through `GET /v1/models`. Shared by the per-worker actor and the node's metrics
+host. No Ray import."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import httpx
+
+from actors.models import Settings
+
+logger = logging.getLogger("kvroute.worker")
+
+
+class HealthProbe:
+    """`healthy`/`detail` of worker `name`, and the model names it serves (`models`: as declared,
+    else — `discover` — what its /v1/models lists once healthy). `on_change()` is called when
+    liveness or the model list changes (the caller pushes a report at once)."""
+
+    def __init__(self, name: str, settings: Settings, http: httpx.AsyncClient, on_change: Callable[[], None], *,
+                 models: list[str], discover: bool) -> None:
+        self.name = name
+        self.settings = settings
+        self._http = http
+        self._on_change = on_change
+        self.models = list(models)
+        self._discover = discover
+        self.healthy = False
+        self.detail = "not probed yet"
+        self._timeouts = 0
+
+    def set(self, healthy: bool, detail: str) -> None:
+        if healthy != self.healthy:
+            logger.info("worker %s: %s (%s)", self.name, "healthy" if healthy else "UNHEALTHY", detail)
+            self._on_change()  # liveness changes are pushed at once, not at the next heartbeat
+        self.healthy, self.detail = healthy, detail
+
+    async def probe(self, url: str | None) -> None:
+        """One GET `url`/health: 200 → healthy; refused or another status → unhealthy at once;
+        `health_timeouts_before_down` consecutive timeouts → unhealthy."""
+        if not url:
+            self.set(False, "no url yet")
+            return
+        try:
+            code = (await self._http.get(f"{url}/health")).status_code
+        except httpx.TimeoutException:
+            self._timeouts += 1
+            if self._timeouts >= self.settings.health_timeouts_before_down:
+                self.set(False, f"/health timed out {self._timeouts}x")
+            return
+        except httpx.HTTPError as exc:
+            self._timeouts = 0
+            self.set(False, f"/health unreachable: {type(exc).__name__}")
+            return
+        self._timeouts = 0
+        if code == 200:
+            self.set(True, "ok")
+            if not self.models and self._discover:
+                await self._ask_models(url)
+        else:
+            self.set(False, f"/health returned {code}")
+
+    async def _ask_models(self, url: str) -> None:
+        """Attach mode without `served_model_names`: what the worker's `GET /v1/models` lists (asked at
+        each probe until it answers; until then the worker reports no model)."""
+        try:
+            r = await self._http.get(f"{url}/v1/models")
+            ids = [m["id"] for m in r.json()["data"]] if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            logger.debug("worker %s: /v1/models not answered (%s)", self.name, type(exc).__name__)
+            return
+        ok = isinstance(ids, list) and all(isinstance(i, str) and 0 < len(i) <= 256 for i in ids)
+        if not ok or not ids:
+            logger.debug("worker %s: /v1/models gave no usable model list (HTTP %s)", self.name, r.status_code)
+            return
+        self.models = list(dict.fromkeys(ids))[:64]
+        logger.info("worker %s serves %s (its /v1/models)", self.name, ", ".join(self.models))
+        self._on_change()

@@ -1,0 +1,181 @@
+"""Node hosting on one local Ray: a real `MetricsHost` hosting attach-mode workers — their metrics
+and liveness in one batched frame per window, all of them `down` ≤ 2 s after the host dies, back
+after Ray restarts it, and the handle callers use (`ready`/`stats`/`stop`) addressed by worker."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import zmq
+
+from tests.integration.helpers import HealthServer, wait_for
+
+pytestmark = pytest.mark.ray
+
+PREFIX = "test-metrics-host-"
+
+
+@pytest.fixture(scope="module")
+def agg(ray_cluster):
+    import ray
+
+    from actors.aggregator import get_or_create_aggregator
+    from actors.models import Settings
+
+    a = get_or_create_aggregator(Settings())
+    ray.get(a.ping.remote(), timeout=30)
+    return a
+
+
+@pytest.fixture
+def hosted(agg, tmp_path):
+    """Two attach-mode workers (a /health server each) hosted by this node's metrics host."""
+    import ray
+
+    from actors.fleet import WorkerSpec
+    from actors.metrics_host import remove_hosted, start_hosted_worker
+    from actors.models import Settings
+
+    servers = [HealthServer(), HealthServer()]
+    tag = uuid.uuid4().hex[:6]
+    specs = [WorkerSpec(name=f"mh-{tag}-{i}", url=s.url, metrics_endpoint=f"ipc://{tmp_path}/mh{i}.metrics")
+             for i, s in enumerate(servers)]
+    handles = [start_hosted_worker(s, Settings(), prefix=PREFIX) for s in specs]
+    ray.get([h.ready.remote() for h in handles], timeout=60)
+    yield specs, handles, servers
+    remove_hosted(prefix=PREFIX)
+    for s in servers:
+        s.close()
+    for s in specs:
+        ray.get(agg.remove.remote(s.name), timeout=10)
+
+
+def _states(agg, names) -> dict[str, str]:
+    import ray
+
+    from actors.protocol import decode_delta
+
+    snap = decode_delta(ray.get(agg.snapshot.remote(), timeout=10))
+    return {w.name: w.state for w in snap.workers if w.name in names}
+
+
+def _snapshot_worker(agg, name):
+    import ray
+
+    from actors.protocol import decode_delta
+
+    snap = decode_delta(ray.get(agg.snapshot.remote(), timeout=10))
+    return next((w for w in snap.workers if w.name == name), None)
+
+
+def test_hosted_workers_register_through_one_host_and_their_metrics_reach_the_aggregator(agg, hosted):
+    import ray
+
+    from sim.sglang_shapes import encode_kv_metrics
+
+    specs, handles, _ = hosted
+    names = [s.name for s in specs]
+    wait_for(lambda: _states(agg, names) == {n: "idle" for n in names}, 15, what="both hosted workers idle")
+    host = handles[0].host
+    stats = ray.get(host.host_stats.remote(), timeout=10)
+    assert set(names) <= set(stats.workers) and stats.frames >= 1
+    assert ray.get(agg.stats.remote(), timeout=10).host_frames >= 1
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(specs[1].metrics_endpoint)
+    try:
+        push.send(encode_kv_metrics("0.5.23", request_active_slots=5, request_total_slots=64, kv_active_blocks=320,
+                                    kv_total_blocks=6400, num_requests_waiting=2, gpu_cache_usage_perc=0.05,
+                                    gpu_prefix_cache_hit_rate=0.0, data_parallel_rank=0))
+
+        def live():
+            w = _snapshot_worker(agg, names[1])
+            return w is not None and w.state == "live" and w.ranks and w.ranks[0].num_requests_waiting == 2
+
+        wait_for(live, 10, what="the hosted worker's SGLang frame in the aggregator")
+    finally:
+        push.close(linger=0)
+    assert _states(agg, names)[names[0]] == "idle"  # only the worker that sent a frame is live
+    st = ray.get(handles[1].stats.remote(), timeout=10)
+    assert st.name == names[1] and st.frames_accepted == 1 and st.healthy
+
+
+def test_a_hosted_workers_own_health_failure_takes_only_it_down(agg, hosted):
+    specs, _, servers = hosted
+    names = [s.name for s in specs]
+    wait_for(lambda: _states(agg, names) == {n: "idle" for n in names}, 15, what="both hosted workers idle")
+    servers[0].healthy = False
+    wait_for(lambda: _states(agg, names) == {names[0]: "down", names[1]: "idle"}, 10,
+             what="the unhealthy worker down, its host-mate not")
+    servers[0].healthy = True
+    wait_for(lambda: _states(agg, names)[names[0]] == "idle", 10, what="the worker healthy again")
+
+
+def test_when_the_host_dies_all_its_workers_are_down_within_2s(agg, hosted):
+    import ray
+
+    from actors.models import Settings
+
+    specs, handles, _ = hosted
+    names = [s.name for s in specs]
+    wait_for(lambda: _states(agg, names) == {n: "idle" for n in names}, 15, what="both hosted workers idle")
+    ray.kill(handles[0].host, no_restart=True)  # the process dies for good (a restart could beat the 2 s)
+    killed = time.monotonic()
+    wait_for(lambda: set(_states(agg, names).values()) == {"down"}, 10, interval_s=0.02,
+             what="the dead host's workers down")
+    down_after = time.monotonic() - killed
+    # its last frame (every heartbeat_s, 0.5 s) came before the kill: down_after_s (2 s) + one state tick
+    assert down_after <= 2.0 + Settings().state_tick_s + 0.05, f"down {down_after:.2f} s after the host died"
+
+
+def test_a_host_restarted_by_ray_hosts_the_same_workers_again(agg, hosted):
+    import ray
+
+    specs, handles, _ = hosted
+    names = [s.name for s in specs]
+    host = handles[0].host
+    wait_for(lambda: _states(agg, names) == {n: "idle" for n in names}, 15, what="both hosted workers idle")
+    before = ray.get(host.host_stats.remote(), timeout=10).incarnation
+    ray.kill(host, no_restart=False)  # Ray restarts it: it remembers its workers (Ray's internal KV)
+    restarted = wait_for(lambda: (st := ray.get(host.host_stats.remote(), timeout=5)).incarnation != before and st,
+                         60, interval_s=0.1, what="the host restarted by Ray")
+    assert set(names) <= set(restarted.workers)
+    wait_for(lambda: _states(agg, names) == {n: "idle" for n in names}, 15, what="the workers served again")
+
+
+def test_stopping_a_hosted_worker_removes_it_from_the_host_and_the_fleet(agg, hosted):
+    import ray
+
+    specs, handles, _ = hosted
+    names = [s.name for s in specs]
+    wait_for(lambda: len(_states(agg, names)) == 2, 15, what="both registered")
+    assert ray.get(handles[0].stop.remote(), timeout=10)  # deregister=True, as WorkerActor.stop
+    wait_for(lambda: names[0] not in _states(agg, names), 10, what="the stopped worker gone from the fleet")
+    assert names[0] not in ray.get(handles[0].host.workers.remote(), timeout=10)
+    time.sleep(2.5)  # the host's later frames no longer name it: it does not come back
+    assert _states(agg, names) == {names[1]: "idle"}
+
+
+def test_a_worker_that_needs_its_own_actor_is_refused_by_the_host(agg, tmp_path):
+    import ray
+
+    from actors.fleet import WorkerSpec
+    from actors.metrics_host import hostable, start_hosted_worker, start_worker
+    from actors.models import Settings
+    from actors.worker_actor import kill_worker_actors
+
+    managed = WorkerSpec(name="mh-managed", engine="sim", metrics_endpoint=f"ipc://{tmp_path}/m.metrics")
+    kv = WorkerSpec(name="mh-kv", url="http://127.0.0.1:9", metrics_endpoint=f"ipc://{tmp_path}/k.metrics",
+                    kv_events_endpoint="tcp://127.0.0.1:5999")
+    assert not hostable(managed) and not hostable(kv)
+    with pytest.raises(Exception, match="not hostable"):
+        ray.get(start_hosted_worker(kv, Settings(), prefix=PREFIX).ready.remote(), timeout=30)
+    # the dispatcher gives it its own WorkerActor instead
+    handle = start_worker(kv, Settings(metrics_hosting="node"))
+    try:
+        assert not hasattr(handle, "host")
+    finally:
+        kill_worker_actors(names=["mh-kv"])
+        ray.get(agg.remove.remote("mh-kv"), timeout=10)
