@@ -68,7 +68,8 @@ class _Hosted:
         ranks = [RankMetrics(**d) for d in self.book.ranks_report(page).values()]
         return WorkerReport(name=self.name, url=self.spec.url or "", page_size=page, incarnation=self.incarnation,
                             healthy=self.health.healthy, health_detail=self.health.detail, ranks=ranks,
-                            models=self.health.models, role=self.spec.role, bootstrap_port=self.spec.bootstrap_port)
+                            models=self.health.models, role=self.spec.role, bootstrap_port=self.spec.bootstrap_port,
+                            dp_size=self.spec.dp_size)
 
     def close(self) -> None:
         self.sock.close(linger=0)

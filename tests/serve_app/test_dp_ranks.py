@@ -184,3 +184,22 @@ def test_the_demo_fleet_can_run_dp_workers():
 def test_dp_ranks_on_a_pd_worker_are_refused_not_routed_unpinned():
     with pytest.raises(FleetError, match=r"dp_size > 1 with role: decode is not supported yet"):
         parse_fleet({"workers": [{"name": "d", "engine": "sim", "dp_size": 2, "role": "decode"}]})
+
+
+async def test_a_hosted_worker_reports_its_dp_size_like_a_worker_actor(tmp_path):
+    import httpx
+    import zmq.asyncio
+
+    from actors.fleet import WorkerSpec
+    from actors.metrics_host import _Hosted
+    from actors.models import Settings
+
+    spec = WorkerSpec(name="d0", url="http://127.0.0.1:9", metrics_endpoint=f"ipc://{tmp_path}/d0.metrics", dp_size=3)
+    ctx = zmq.asyncio.Context()
+    async with httpx.AsyncClient() as http:
+        w = _Hosted(spec, Settings(), ctx, http, lambda: None)
+        try:
+            assert w.report().dp_size == 3
+        finally:
+            w.close()
+    ctx.term()
