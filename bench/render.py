@@ -201,6 +201,17 @@ def _pooled_section(doc: dict[str, Any], targets: list[str]) -> list[str]:
                           "—" if rr is None else ("met" if rr >= 1.05 else "missed")])
             goals.append([f"cache hit vs {ca_name}", "≥", f"{(kv['hit'] or 0) * 100:.1f} vs {(ca['hit'] or 0) * 100:.1f} %",
                           "met" if (kv["hit"] or 0) >= (ca["hit"] or 0) else "missed"])
+        # PD fleets (issue 19): p99 ≤ 0.8× sglang-router's PD mode (cache-aware prefill) at the same
+        # throughput on shared prefixes; never worse than its PD round-robin (the no-sharing control)
+        for yard, limit in (("sglang-pd-cache_aware", 0.8), ("sglang-pd-round_robin", 1.0)):
+            y = pool.get((w, rate, yard))
+            r = None if kv is None or y is None else report.ratio_ci(kv["ttft"], y["ttft"], 99)
+            if r is None:
+                continue
+            verdict = "met" if r[2] <= limit else ("missed" if r[1] > limit else "open")
+            goals.append([f"TTFT p99 ÷ {yard}", f"≤ {limit}", _ci(r, 2), verdict])
+            if y["rps"]:
+                goals.append([f"throughput ÷ {yard}", "same", fmt(kv["rps"] / y["rps"], digits=2), "—"])
         if goals:
             L.append(_md_table(["kv_aware goal", "target", "ratio [95 % CI]", "verdict"], goals))
             L.append("")
