@@ -99,7 +99,8 @@ class RouterCore:
         get_policy(self.default_policy)  # unknown default → error at start, not per request
         self._policies = {name: get_policy(name) for name in POLICIES}
         self._policies["kv_aware"] = KvAware(config.kv_aware)
-        self._side_policies: dict[tuple[str, str], Any] = {}  # PD: (role, name) → that side's instance
+        # (model, PD role, name) → that group's own instance (see `_group_policy`)
+        self._group_policies: dict[tuple[str | None, str | None, str], Any] = {}
         self._base: dict[str, WorkerView] = {}  # routing target (a worker, or a DP rank of one) → view
         # worker → its routing targets: (name,) without DP ranks, else one `target_name` per rank
         self._targets: dict[str, tuple[str, ...]] = {}
@@ -343,14 +344,16 @@ class RouterCore:
             get_policy(name)  # raises UnknownPolicy listing the valid names
         return p
 
-    def _role_policy(self, name: str | None, role: str) -> Any:
-        """The policy instance for one PD side: each side keeps its own (a round_robin cycle shared by
-        both sides would pair the same workers for ever; sglang-router also keeps one per side)."""
+    def _group_policy(self, name: str | None, model: str | None, role: str | None) -> Any:
+        """The policy instance for one group of workers — a model's, a PD side's: each keeps its own
+        (a round_robin cycle shared by both PD sides would pair the same workers for ever, and one
+        shared by two models' requests arriving in turn would send each model's requests to the
+        same worker of it; sglang-router keeps one per side, and one router per model)."""
         policy = self.policy(name)
-        key = (role, policy.name)
-        p = self._side_policies.get(key)
+        key = (model, role, policy.name)
+        p = self._group_policies.get(key)
         if p is None:
-            p = self._side_policies[key] = KvAware(self.config.kv_aware) if policy.name == "kv_aware" \
+            p = self._group_policies[key] = KvAware(self.config.kv_aware) if policy.name == "kv_aware" \
                 else get_policy(policy.name)
         return p
 
@@ -363,7 +366,8 @@ class RouterCore:
         already failed for this request). Returns the decision and the request with the prefix
         overlap it was decided on — pass that one to `on_routed`, so the ledger charges only the
         blocks the worker must still prefill."""
-        policy = self.policy(policy_name) if role is None else self._role_policy(policy_name, role)
+        policy = self.policy(policy_name) if model is None and role is None \
+            else self._group_policy(policy_name, model, role)
         if request.block_hashes:
             overlap = self.prefix.overlap(self._prefix_keys(request.block_hashes, model))
             synced = self.kv_follower.synced if self.kv_follower is not None else ()

@@ -132,6 +132,20 @@ def test_a_prefix_cached_on_a_model_b_worker_never_attracts_a_model_a_request():
     assert request.overlap.get("b0", 0) > 0  # while B's own affinity is there
 
 
+def test_round_robin_cycles_each_models_workers_when_the_models_requests_arrive_in_turn():
+    """One cycle per model: with a cycle shared by both models, A and B requests arriving
+    alternately would send every A request to the same A worker (seen as kvroute round_robin's
+    tail at 2x sglang-router's per-model round robin in bench/results/two-model.md)."""
+    core, _ = make_core({"a0": ["A"], "a1": ["A"], "b0": ["B"], "b1": ["B"]}, policy="round_robin")
+    got: dict[str, list[str]] = {"A": [], "B": []}
+    for i in range(8):
+        for model in ("A", "B"):
+            d, _ = core.decide(core.facts(chat(model, "s", f"q{i}")), model=model)
+            got[model].append(d.worker)
+    assert got["A"] == ["a0", "a1"] * 4
+    assert got["B"] == ["b0", "b1"] * 4
+
+
 def test_model_resolution_single_multi_unknown_and_model_agnostic_fleets():
     agnostic, _ = make_core({"w0": [], "w1": []})
     assert agnostic.resolve_model("anything") is None and agnostic.resolve_model(None) is None
