@@ -25,7 +25,7 @@ import zmq
 
 from actors.ingest import MetricsBook
 from actors.link import AggregatorLink
-from actors.metrics_pipe import DRAIN_BATCH
+from actors.metrics_pipe import drain_frames
 from actors.models import Settings
 from actors.protocol import WorkerReport
 from actors.readable import SocketWatch
@@ -147,30 +147,18 @@ class HostPipe:
         raw, book = slot.raw, slot.book
         if raw is None or book is None:
             return False
-        fresh = False
         try:
-            for _ in range(DRAIN_BATCH):
-                try:
-                    frame = raw.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    return False
-                if raw.getsockopt(zmq.RCVMORE):  # SGLang never sends multipart
-                    while raw.getsockopt(zmq.RCVMORE):
-                        raw.recv(zmq.NOBLOCK)
-                    book.stats.frames_received += 1
-                    book.refuse("multipart", "multipart message")
-                    continue
-                if book.ingest(frame) is not None:
-                    fresh = slot.dirty = True
-            return True
+            more, fresh = drain_frames(raw, book)
         except zmq.ZMQError:  # closed under us (removed)
             return False
-        except Exception:  # a receive path must never die
+        except Exception:  # a receive path must never die (the newest state is pushed regardless)
             logger.exception("host %s: worker %s: receive error", self.host, slot.name)
-            return True
-        finally:
-            if fresh and notify:
+            more = fresh = True
+        if fresh:
+            slot.dirty = True
+            if notify:
                 self._metrics_arrived()
+        return more
 
     # --- push ---------------------------------------------------------------------------------
 

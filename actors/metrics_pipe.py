@@ -31,6 +31,26 @@ logger = logging.getLogger("kvroute.worker")
 DRAIN_BATCH = 4096  # frames handled per wake-up before yielding to other tasks
 
 
+def drain_frames(raw: zmq.Socket, book: MetricsBook) -> tuple[bool, bool]:
+    """Ingest what waits on an SGLang metrics PULL into `book`, a bounded batch (multipart messages
+    are refused: SGLang never sends one). Returns (more may wait, new metrics arrived)."""
+    fresh = False
+    for _ in range(DRAIN_BATCH):
+        try:
+            frame = raw.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return False, fresh
+        if raw.getsockopt(zmq.RCVMORE):
+            while raw.getsockopt(zmq.RCVMORE):
+                raw.recv(zmq.NOBLOCK)
+            book.stats.frames_received += 1
+            book.refuse("multipart", "multipart message")
+            continue
+        if book.ingest(frame) is not None:
+            fresh = True
+    return True, fresh
+
+
 class MetricsPipe:
     """PULL socket → `book` → coalesced `report()`s over `link`, for worker `name`.
 
@@ -94,29 +114,16 @@ class MetricsPipe:
     def _drain(self, notify: bool = True) -> bool:
         """Ingest what is waiting (a bounded batch); True if more may wait. `notify`: new metrics
         go to `_metrics_arrived` (not when the coalescing window's end drains them)."""
-        raw = self._raw
-        fresh = False
         try:
-            for _ in range(DRAIN_BATCH):
-                try:
-                    frame = raw.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    return False
-                if raw.getsockopt(zmq.RCVMORE):  # SGLang never sends multipart
-                    while raw.getsockopt(zmq.RCVMORE):
-                        raw.recv(zmq.NOBLOCK)
-                    self.book.stats.frames_received += 1
-                    self.book.refuse("multipart", "multipart message")
-                    continue
-                if self.book.ingest(frame) is not None:
-                    fresh = self._unpushed = True
-            return True
-        except Exception:  # a receive path must never die
+            more, fresh = drain_frames(self._raw, self.book)
+        except Exception:  # a receive path must never die (the newest state is pushed regardless)
             logger.exception("worker %s: receive error", self.name)
-            return True
-        finally:
-            if fresh and notify:
+            more = fresh = True
+        if fresh:
+            self._unpushed = True
+            if notify:
                 self._metrics_arrived()
+        return more
 
     # --- push ---------------------------------------------------------------------------------
 

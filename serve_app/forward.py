@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator
 from serve_app.breaker import Breakers
 from serve_app.config import RouterConfig
 from serve_app.dp_ranks import pinned_body, pinned_headers
-from serve_app.http import HttpError, Request, Send, send_body, send_json, send_stream
+from serve_app.http import HttpError, Request, Send, no_worker, send_body, send_json, send_stream
 from serve_app.metrics import RouterMetrics
 from serve_app.pd import PdDispatch
 from serve_app.policies import NoWorkerAvailable, UnknownPolicy
@@ -83,8 +83,7 @@ class Forwarder:
             except NoWorkerAvailable as exc:
                 if not failures:
                     m.requests.labels(policy, "", "no_worker").inc()
-                    raise HttpError(503, f"{exc}; open breakers: {sorted(self.breakers.blocked()) or 'none'}",
-                                    code="no_worker", headers={"retry-after": "1"}) from None
+                    raise no_worker(exc, self.breakers.blocked()) from None
                 break
             t0 = time.perf_counter()
             m.decision_seconds.observe(t0 - t_decide)

@@ -33,6 +33,12 @@ class HttpError(Exception):
         return json.dumps({"error": {"message": self.message, "type": kind, "code": self.code}}).encode()
 
 
+def no_worker(exc: Exception, open_breakers: Any) -> HttpError:
+    """The 503 for a request no worker can take now, naming the workers whose breaker is open."""
+    return HttpError(503, f"{exc}; open breakers: {sorted(open_breakers) or 'none'}",
+                     code="no_worker", headers={"retry-after": "1"})
+
+
 class Request:
     """One HTTP request: method, path below the app's route prefix, lower-cased headers."""
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, AsyncIterator
 from urllib.parse import urlsplit
 
-from serve_app.http import HttpError, Request, Send, send_body, send_stream
+from serve_app.http import HttpError, Request, Send, no_worker, send_body, send_stream
 from serve_app.policies import Decision, NoWorkerAvailable, RouteRequest
 from serve_app.proxy import UPSTREAM_ERRORS, Upstream, UpstreamError, forward_headers, sse_error_event
 from serve_app.router import RequestTicket, RouterCore
@@ -189,8 +189,7 @@ class PdDispatch:
             except NoWorkerAvailable as exc:
                 if not failures:
                     m.requests.labels(policy, "", "no_worker").inc()
-                    raise HttpError(503, f"{exc}; open breakers: {sorted(fw.breakers.blocked()) or 'none'}",
-                                    code="no_worker", headers={"retry-after": "1"}) from None
+                    raise no_worker(exc, fw.breakers.blocked()) from None
                 break
             port = fw.core.bootstrap_port(prefill.worker)
             rooms = new_rooms(self.rng, batch)
