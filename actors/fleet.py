@@ -162,9 +162,12 @@ class WorkerSpec(BaseModel):
                              f"--disaggregation-bootstrap-port, SGLang's default 8998)")
         if self.role != "prefill" and self.bootstrap_port is not None:
             raise ValueError(f"worker {self.name!r}: bootstrap_port is for role: prefill only (role is {self.role})")
-        if self.role != "both" and self.dp_size > 1:  # the PD pair is sent without a rank: the ledger's would be wrong
-            raise ValueError(f"worker {self.name!r}: dp_size > 1 with role: {self.role} is not supported yet "
-                             "(kvroute pins DP ranks on ordinary workers only)")
+        if self.role != "both" and self.dp_size > 1 and self.engine == "sim":
+            wire = str(self.engine_args.get("wire", "0.5.23"))
+            if tuple(int(x) for x in wire.split("-")[0].split(".")[:3]) < (0, 5, 14):
+                raise ValueError(f"worker {self.name!r}: dp_size > 1 with role: {self.role} needs an SGLang release "
+                                 f"that reads routed_dp_rank and disagg_prefill_dp_rank (0.5.14 or later); "
+                                 f"engine_args.wire is {wire}")
         if self.kv_events_endpoint not in (None, "auto"):
             try:  # who binds is decided here, exactly as SGLang decides it; refused forms say why
                 plan_subscription(self.kv_events_endpoint, bind=self.kv_events_bind,

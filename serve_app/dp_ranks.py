@@ -40,3 +40,43 @@ def pinned_body(body: dict[str, Any], rank: int) -> bytes:
 def pinned_headers(headers: dict[str, str]) -> dict[str, str]:
     """`headers` without the ones that would override the pinned rank."""
     return {k: v for k, v in headers.items() if k.lower() not in RANK_HEADERS}
+
+
+# --- DP ranks inside a prefill/decode pair (docs/pd.md, "DP ranks in a PD pair") ---------------------
+
+PREFILL_RANK_FIELD = "disagg_prefill_dp_rank"  # tells the decode server which prefill rank holds its KV
+# request headers that override the body's ranks on SGLang 0.5.23 (`entrypoints/request_headers.py`)
+PD_RANK_HEADERS = RANK_HEADERS + ("x-override-disagg-prefill-dp-rank",)
+
+
+def pd_rank_fields(side: str, prefill_rank: int | None, decode_rank: int | None) -> dict[str, int]:
+    """The rank fields one side of a PD pair gets, as sglang-router's PD mode with DP-aware workers
+    sends them: the prefill request `routed_dp_rank` = its prefill rank; the decode request
+    `routed_dp_rank` = its decode rank and `disagg_prefill_dp_rank` = the prefill rank (SGLang's
+    decode side then skips asking the bootstrap server). A side without DP ranks gets none of its own."""
+    out: dict[str, int] = {}
+    if side == "prefill":
+        if prefill_rank is not None:
+            out[ROUTED_FIELD] = prefill_rank
+        return out
+    if decode_rank is not None:
+        out[ROUTED_FIELD] = decode_rank
+    if prefill_rank is not None:
+        out[PREFILL_RANK_FIELD] = prefill_rank
+    return out
+
+
+def with_rank_fields(body: dict[str, Any], fields: dict[str, int]) -> dict[str, Any]:
+    """`body` (a copy) with `fields` set; a client's deprecated `data_parallel_rank` is set to the
+    same routed rank, so no spelling of the rank disagrees with the one the router booked."""
+    if not fields:
+        return body
+    out = {**body, **fields}
+    if ROUTED_FIELD in fields and out.get(RANK_FIELD) is not None:
+        out[RANK_FIELD] = fields[ROUTED_FIELD]
+    return out
+
+
+def pd_headers(headers: dict[str, str]) -> dict[str, str]:
+    """`headers` without the ones that would override a PD pair's pinned ranks."""
+    return {k: v for k, v in headers.items() if k.lower() not in PD_RANK_HEADERS}

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, AsyncIterator
 from urllib.parse import urlsplit
 
+from serve_app.dp_ranks import pd_headers, pd_rank_fields, with_rank_fields
 from serve_app.http import HttpError, Request, Send, no_worker, send_body, send_stream
 from serve_app.policies import Decision, NoWorkerAvailable, RouteRequest
 from serve_app.proxy import UPSTREAM_ERRORS, Upstream, UpstreamError, forward_headers, sse_error_event
@@ -39,6 +40,8 @@ PREFILL = "prefill"
 DECODE = "decode"
 ROOM_MAX = 2**63 - 1  # sglang-router: a random u64 masked to [0, 2^63 - 1] (Python's randint(0, 2**63 - 1))
 PREFILL_WORKER_HEADER = "x-kvroute-prefill-worker"
+PREFILL_RANK_HEADER = "x-kvroute-prefill-rank"  # the prefill side's attention-DP rank (DP prefill workers only)
+RANK_HEADER = "x-kvroute-rank"  # the decode side's (as serve_app.forward names a DP worker's rank)
 PREFILL_BLAME_S = 1.0  # how long a decode stream's opening error waits to learn whether its prefill side failed
 
 
@@ -84,8 +87,28 @@ def with_bootstrap(body: dict[str, Any], host: str, port: int | None, rooms: lis
     return out
 
 
-def new_rooms(rng: random.Random, batch: int | None) -> list[int]:
-    return [rng.randint(0, ROOM_MAX) for _ in range(batch or 1)]
+def new_rooms(rng: random.Random, batch: int | None, prefill_rank: int | None = None,
+              prefill_dp_size: int = 1) -> list[int]:
+    """One random room per request in [0, 2^63 - 1]; with a prefill DP rank, each room ≡ that rank
+    (mod the prefill server's dp_size): SGLang's prefill server balances by `follow_bootstrap_room`
+    by default (`--load-balance-method auto` in PD prefill mode) and fails a request whose routed
+    rank differs from `room % dp_size` ("follow_bootstrap_room conflict"), and a decode server
+    without `disagg_prefill_dp_rank` looks for the KV on rank `room % dp_size`."""
+    if prefill_rank is None or prefill_dp_size <= 1:
+        return [rng.randint(0, ROOM_MAX) for _ in range(batch or 1)]
+    top = (ROOM_MAX - prefill_rank) // prefill_dp_size
+    return [rng.randint(0, top) * prefill_dp_size + prefill_rank for _ in range(batch or 1)]
+
+
+def pair_bodies(body: dict[str, Any], host: str, port: int | None, rooms: list[int], batch: int | None,
+                prefill_rank: int | None, decode_rank: int | None) -> tuple[bytes, bytes]:
+    """The prefill and the decode request's JSON: the same bootstrap fields, each side's DP rank
+    fields (`serve_app.dp_ranks.pd_rank_fields`; identical bytes when neither side has DP ranks)."""
+    base = with_bootstrap(body, host, port, rooms, batch)
+    p = json.dumps(with_rank_fields(base, pd_rank_fields(PREFILL, prefill_rank, decode_rank))).encode()
+    if prefill_rank is None and decode_rank is None:
+        return p, p
+    return p, json.dumps(with_rank_fields(base, pd_rank_fields(DECODE, prefill_rank, decode_rank))).encode()
 
 
 # --- the pair ------------------------------------------------------------------------------------
@@ -100,12 +123,14 @@ class PairDecision:
     bootstrap_port: int | None
 
     def as_json(self) -> dict[str, Any]:
-        """What `/route` says: the decode worker answers the client (`worker`), both are named."""
+        """What `/route` says: the decode worker answers the client (`worker`, `rank`), both are named
+        with their attention-DP rank (None: no DP ranks)."""
         d, p = self.decode, self.prefill
-        return {"worker": d.worker, "url": d.url, "policy": d.policy, "reason": d.reason, "disaggregated": True,
-                "prefill": {"worker": p.worker, "url": p.url, "reason": p.reason,
+        return {"worker": d.worker, "rank": d.rank, "url": d.url, "policy": d.policy, "reason": d.reason,
+                "disaggregated": True,
+                "prefill": {"worker": p.worker, "rank": p.rank, "url": p.url, "reason": p.reason,
                             "bootstrap_host": bootstrap_host(p.url), "bootstrap_port": self.bootstrap_port},
-                "decode": {"worker": d.worker, "url": d.url, "reason": d.reason}}
+                "decode": {"worker": d.worker, "rank": d.rank, "url": d.url, "reason": d.reason}}
 
 
 def decode_facts(request: RouteRequest) -> RouteRequest:
@@ -192,10 +217,12 @@ class PdDispatch:
                     raise no_worker(exc, fw.breakers.blocked()) from None
                 break
             port = fw.core.bootstrap_port(prefill.worker)
-            rooms = new_rooms(self.rng, batch)
-            raw = json.dumps(with_bootstrap(body, bootstrap_host(prefill.url), port, rooms, batch)).encode()
+            p_rank, d_rank = prefill.decision.rank, decode.decision.rank
+            rooms = new_rooms(self.rng, batch, p_rank, len(fw.core.targets(prefill.worker)))
+            raws = pair_bodies(body, bootstrap_host(prefill.url), port, rooms, batch, p_rank, d_rank)
+            hdrs = headers if p_rank is None and d_rank is None else pd_headers(headers)
             try:
-                await self._attempt(send, path, raw, headers, prefill, decode, policy, body.get("stream") is True)
+                await self._attempt(send, path, raws, hdrs, prefill, decode, policy, body.get("stream") is True)
                 return
             except _Retry as exc:
                 tried.add(exc.worker)
@@ -203,23 +230,26 @@ class PdDispatch:
                 retry_after = exc.retry_after or retry_after
                 m.retries.labels(exc.worker).inc()
                 logger.info("PD attempt %d (prefill %s, decode %s, room %d) failed before the first byte: %s",
-                            attempt + 1, prefill.worker, decode.worker, rooms[0], exc)
+                            attempt + 1, prefill.decision.target or prefill.worker,
+                            decode.decision.target or decode.worker, rooms[0], exc)
                 await asyncio.sleep(min(0.5, 0.02 * (2**attempt)) * random.uniform(0.5, 1.5))
         m.requests.labels(policy, "", "unavailable").inc()
         raise HttpError(503, f"no prefill/decode pair could serve the request after {len(failures)} attempt(s): "
                         + "; ".join(failures[-3:]), code="upstream_unavailable",
                         headers={"retry-after": retry_after or "1"})
 
-    async def _attempt(self, send: Send, path: str, raw: bytes, headers: dict[str, str], prefill: RequestTicket,
-                       decode: RequestTicket, policy: str, stream: bool) -> None:
-        """One pair: both requests at once; relay decode's answer once its first byte is in. Raises
-        _Retry if either side fails before that (both tickets ended, both connections closed)."""
+    async def _attempt(self, send: Send, path: str, raws: tuple[bytes, bytes], headers: dict[str, str],
+                       prefill: RequestTicket, decode: RequestTicket, policy: str, stream: bool) -> None:
+        """One pair: both requests at once (`raws`: the prefill and the decode body); relay decode's
+        answer once its first byte is in. Raises _Retry if either side fails before that (both
+        tickets ended, both connections closed)."""
         fw = self.fw
+        p_raw, raw = raws
         for t in (prefill, decode):
             fw.breakers.on_dispatch(t.worker)
         t0 = time.perf_counter()
         # the prefill side: its whole answer (tiny: one token), which comes once its KV is handed over
-        p_task = asyncio.ensure_future(self._prefill_call(prefill, prefill.url + path, raw, headers))
+        p_task = asyncio.ensure_future(self._prefill_call(prefill, prefill.url + path, p_raw, headers))
         d_task = asyncio.ensure_future(fw.upstream.open(decode.worker, "POST", decode.url + path, content=raw,
                                                         headers=headers))
         first: asyncio.Future[Any] | None = None
@@ -293,6 +323,10 @@ class PdDispatch:
         out_headers = up.headers()
         out_headers["x-kvroute-worker"] = decode.worker
         out_headers[PREFILL_WORKER_HEADER] = prefill.worker
+        if decode.decision.rank is not None:
+            out_headers[RANK_HEADER] = str(decode.decision.rank)
+        if prefill.decision.rank is not None:
+            out_headers[PREFILL_RANK_HEADER] = str(prefill.decision.rank)
         if chunks is None:  # a whole body (non-streamed, or an error status)
             await up.close()
             fw._finished(decode, t0, up.status_code, policy)

@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="array: tagged arrays (SGLang <= 0.5.18); map: tagged maps (>= 0.5.20); "
                    "default: the --wire release's")
     p.add_argument("--kv-events-topic", default="")
+    p.add_argument("--load-balance-method", choices=["auto", "round_robin", "follow_bootstrap_room"], default="auto",
+                   help="where an unpinned request goes with --dp-size (SGLang's flag): auto = follow_bootstrap_room "
+                   "on a prefill server (bootstrap_room %% dp_size), else round_robin")
     pd = p.add_argument_group("prefill/decode disaggregation (sim.disagg, docs/pd.md)")
     pd.add_argument("--disaggregation-mode", choices=["null", "prefill", "decode"], default="null",
                     help="SGLang's flag: prefill (runs a bootstrap server, transfers KV) or decode (fetches it)")
@@ -126,6 +129,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         kv_events_encoding=args.kv_events_encoding,
         kv_events_topic=kv["topic"],
         dp_size=args.dp_size,
+        load_balance_method=args.load_balance_method,
         **({"kv_events_buffer_steps": kv["buffer_steps"]} if "buffer_steps" in kv else {}),
     )
 

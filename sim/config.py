@@ -99,6 +99,9 @@ class SimConfig(BaseModel):
     kv_events_topic: str = ""
     dp_size: int = Field(1, ge=1, le=64, description="attention-DP ranks behind this one server (SGLang --dp-size "
                          "with --enable-dp-attention): each its own scheduler loop, KV pool, KvMetrics and KV events")
+    load_balance_method: Literal["auto", "round_robin", "follow_bootstrap_room"] = Field(
+        "auto", description="how the DP controller places a request no rank is pinned for (SGLang "
+        "--load-balance-method): auto = follow_bootstrap_room on a PD prefill server, else round_robin")
     kv_events_buffer_steps: int = Field(10_000, ge=1, description="batches kept for replay")
     shutdown_grace_s: float = Field(0.5, ge=0, description="how long open streams may finish")
     disagg: DisaggConfig | None = Field(None, description="prefill/decode disaggregation role (sim.disagg)")
@@ -118,6 +121,19 @@ class SimConfig(BaseModel):
         if self.dp_size > 1 and self.engine.dp_rank != 0:
             raise ValueError(f"dp_rank={self.engine.dp_rank} with dp_size={self.dp_size}: the ranks are 0..dp_size-1; "
                              "--dp-rank names the one rank of a server without DP")
-        if self.dp_size > 1 and self.disagg is not None:
-            raise ValueError("dp_size > 1 with a disaggregation mode: the sim runs DP ranks or a PD role, not both")
+        rel = tuple(int(x) for x in self.wire.split("-")[0].split("."))
+        if self.dp_size > 1 and self.disagg is not None and rel < (0, 5, 14):
+            raise ValueError(f"dp_size > 1 with a disaggregation mode needs wire 0.5.14 or later (the releases that "
+                             f"read routed_dp_rank and disagg_prefill_dp_rank); wire is {self.wire}")
+        if self.load_balance_method == "follow_bootstrap_room" and (self.disagg is None or self.disagg.mode != "prefill"):
+            raise ValueError("load_balance_method follow_bootstrap_room is for a PD prefill server "
+                             "(--disaggregation-mode prefill): other requests carry no bootstrap room")
         return self
+
+    @property
+    def balance_method(self) -> str:
+        """The DP controller's method: as configured, `auto` resolved as SGLang 0.5.x does
+        (`follow_bootstrap_room` on a PD prefill server, else `round_robin`)."""
+        if self.load_balance_method != "auto":
+            return self.load_balance_method
+        return "follow_bootstrap_room" if self.disagg is not None and self.disagg.mode == "prefill" else "round_robin"

@@ -12,10 +12,23 @@ port (`bootstrap_host`:`bootstrap_port` of the request) for its room's KV and wa
 (SGLANG_DISAGGREGATION_WAITING_TIMEOUT, default 300 s — then the request fails: 500, or an SSE
 error event on a stream), then decodes the request from that KV with no prefill compute.
 
+With attention-DP ranks (`--dp-size N`, SGLang 0.5.14+ semantics, `srt/disaggregation/common/conn.py`,
+`decode.py`): the prefill server's rank of a request is the pinned `routed_dp_rank`, else (its default
+`--load-balance-method`, `follow_bootstrap_room`) `bootstrap_room % N`. Under `follow_bootstrap_room` a
+request pinned to another rank fails at once ("follow_bootstrap_room conflict") unless it carries
+`disagg_prefill_dp_rank`; under another method the rank registers the room with its bootstrap server
+(`/register_dp_rank`). The decode server finds the prefill rank holding a room's KV as SGLang's
+`_resolve_prefill_dp_rank` does: `disagg_prefill_dp_rank` if the request has it, else 0 for a prefill
+server without DP, else `bootstrap_room % prefill dp_size` if that server follows the room, else it
+asks the bootstrap server (`/query_dp_ranks`) until the room is registered. The KV is handed over per
+(prefill rank, room): a decode side that looks on the wrong rank waits out its waiting timeout while
+the prefill side waits out its bootstrap timeout, as SGLang's would.
+
 What is not: SGLang's transfer engines (Mooncake/NIXL), the KV indices decode sends to prefill, and
 decode-side KV pre-allocation. The rendezvous is one loopback HTTP long-poll on the prefill sim's
-bootstrap port: `POST /kvroute_sim/rooms/{room}` answers when that room's KV has arrived.
-All durations are simulated seconds (× `--time-scale` on the wall clock).
+bootstrap port: `POST /kvroute_sim/rooms/{room}?rank=R` answers when that room's KV has arrived from
+prefill rank R; `GET /kvroute_sim/info` tells a decode sim the prefill server's dp_size and whether it
+follows the room. All durations are simulated seconds (× `--time-scale` on the wall clock).
 """
 
 from __future__ import annotations
@@ -34,6 +47,10 @@ from pydantic import BaseModel, ConfigDict, Field
 logger = logging.getLogger(__name__)
 
 ROOM_PATH = "/kvroute_sim/rooms/{room}"
+INFO_PATH = "/kvroute_sim/info"
+PREFILL_RANK_FIELD = "disagg_prefill_dp_rank"
+PREFILL_RANK_HEADER = "x-override-disagg-prefill-dp-rank"  # SGLang 0.5.23 (entrypoints/request_headers.py)
+_QUERY_INTERVAL_S = 0.005  # how often a decode side asks /query_dp_ranks for a room not registered yet (sim s)
 
 
 def _env_s(name: str, default: float) -> float:
@@ -77,21 +94,32 @@ class Bootstrap:
     host: str | None
     port: int | None
     room: int
+    prefill_dp_rank: int | None = None  # `disagg_prefill_dp_rank`: the prefill rank holding the KV
 
 
-def bootstrap_of(body: Any, mode: str) -> Bootstrap:
-    """The bootstrap fields of a parsed request body (extra fields of the sim's lenient models).
-    Raises MissingBootstrap with SGLang's message when the room is missing, or (decode) the prefill's address."""
+def bootstrap_of(body: Any, mode: str, headers: Any = None, release: tuple[int, ...] = (0, 5, 23)) -> Bootstrap:
+    """The bootstrap fields of a parsed request body (extra fields of the sim's lenient models), and
+    `disagg_prefill_dp_rank` (body, or from 0.5.23 the header that overrides it). Raises
+    MissingBootstrap with SGLang's message when the room is missing, or (decode) the prefill's address."""
     extra = getattr(body, "model_extra", None) or {}
     room, host, port = extra.get("bootstrap_room"), extra.get("bootstrap_host"), extra.get("bootstrap_port")
     if isinstance(room, list) or isinstance(host, list) or isinstance(port, list):
         room, host, port = (v[0] if isinstance(v, list) and len(v) == 1 else v for v in (room, host, port))
+    prank = extra.get(PREFILL_RANK_FIELD) if release >= (0, 5, 14) else None
+    raw = headers.get(PREFILL_RANK_HEADER) if headers is not None and release >= (0, 5, 23) else None
+    if raw is not None:
+        try:
+            prank = int(raw)
+        except ValueError as exc:
+            raise MissingBootstrap(f"invalid {PREFILL_RANK_HEADER} header {raw!r}: {exc}") from None
+    if prank is not None and (not isinstance(prank, int) or isinstance(prank, bool) or prank < 0):
+        raise MissingBootstrap(f"{PREFILL_RANK_FIELD} must be a non-negative integer, got {prank!r}")
     if not isinstance(room, int) or isinstance(room, bool) or room < 0:
         raise MissingBootstrap("Invalid request: Disaggregated request received without bootstrap room id.")
     if mode == "decode" and (not isinstance(host, str) or not isinstance(port, int)):
         raise MissingBootstrap("Invalid request: a decode server needs bootstrap_host and bootstrap_port "
                                "(the prefill server's bootstrap address)")
-    return Bootstrap(host, port, room)
+    return Bootstrap(host, port, room, prank)
 
 
 @dataclass(eq=False)
@@ -104,19 +132,29 @@ class _Room:
 class PrefillSide:
     """The prefill sim's bootstrap server and rooms."""
 
-    def __init__(self, config: DisaggConfig, host: str, time_scale: float) -> None:
+    def __init__(self, config: DisaggConfig, host: str, time_scale: float, dp_size: int = 1,
+                 follow_bootstrap_room: bool = True) -> None:
         self.config = config
         self.host = host
         self.time_scale = time_scale
-        self.rooms: dict[int, _Room] = {}
+        self.dp_size = dp_size
+        self.follow_bootstrap_room = follow_bootstrap_room
+        self.rooms: dict[tuple[int, int], _Room] = {}  # (prefill rank, room) → its rendezvous
+        self.room_ranks: dict[int, int] = {}  # the bootstrap server's /register_dp_rank table
         self.transfers = 0
+        self.transfers_by_rank = [0] * dp_size
         self.bootstrap_timeouts = 0
+        self.rank_conflicts = 0
         self.recent_rooms: deque[int] = deque(maxlen=64)  # rooms whose KV went out, newest last
+        self.recent_ranks: deque[int] = deque(maxlen=64)  # the prefill rank of each, in step
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
         app = web.Application()
         app.router.add_post(ROOM_PATH, self._decode_arrives)
+        app.router.add_get(INFO_PATH, self._info)
+        app.router.add_post("/register_dp_rank", self._register_dp_rank)
+        app.router.add_post("/query_dp_ranks", self._query_dp_ranks)
         app.router.add_get("/health", lambda _: web.Response(text="OK"))
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
@@ -127,22 +165,59 @@ class PrefillSide:
         if self._runner is not None:
             await self._runner.cleanup()
 
-    def _room(self, room: int) -> _Room:
-        r = self.rooms.get(room)
+    def _room(self, key: tuple[int, int]) -> _Room:
+        r = self.rooms.get(key)
         if r is None:
-            r = self.rooms[room] = _Room()
+            r = self.rooms[key] = _Room()
         return r
+
+    def register(self, room: int, rank: int) -> None:
+        """A prefill rank took `room` without following the room (SGLang's `_register_prefill_dp_rank`,
+        an HTTP POST to its own bootstrap server; the same table here, in-process)."""
+        self.room_ranks[room] = rank
+        if len(self.room_ranks) > 65536:  # SGLang expires entries after a while; oldest first here
+            del self.room_ranks[next(iter(self.room_ranks))]
+
+    def check_rank(self, room: int, rank: int, pinned_prefill_rank: int | None) -> None:
+        """SGLang's CommonKVSender: on a DP prefill server that follows the room, a request routed to
+        another rank than `room % dp_size` fails unless it names its prefill rank; otherwise an
+        unnamed rank is registered for the decode side to query. Raises DisaggFailure."""
+        if self.dp_size <= 1 or pinned_prefill_rank is not None:
+            return
+        if not self.follow_bootstrap_room:
+            self.register(room, rank)
+        elif rank != room % self.dp_size:
+            self.rank_conflicts += 1
+            raise DisaggFailure(f"follow_bootstrap_room conflict: dispatched to dp_rank {rank} but bootstrap_room "
+                                f"{room} implies dp_rank {room % self.dp_size}. Set "
+                                f"SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK=1 to allow mixed routing.")
+
+    async def _info(self, request: web.Request) -> web.Response:
+        return web.json_response({"dp_size": self.dp_size, "follow_bootstrap_room": self.follow_bootstrap_room})
+
+    async def _register_dp_rank(self, request: web.Request) -> web.Response:
+        data = await request.json()
+        self.register(int(data["bootstrap_room"]), int(data["dp_rank"]))
+        return web.Response(text="OK")
+
+    async def _query_dp_ranks(self, request: web.Request) -> web.Response:
+        rooms = (await request.json())["bootstrap_rooms"]
+        return web.json_response({str(int(r)): self.room_ranks[int(r)] for r in rooms if int(r) in self.room_ranks})
 
     async def _decode_arrives(self, request: web.Request) -> web.Response:
         try:
             room_id = int(request.match_info["room"])
+            rank = int(request.query.get("rank", "0"))
         except ValueError:
-            return web.json_response({"error": "room must be an integer"}, status=400)
+            return web.json_response({"error": "room and rank must be integers"}, status=400)
+        if not 0 <= rank < self.dp_size:  # SGLang's bootstrap server: no such rank registered
+            return web.json_response({"error": f"prefill dp_rank {rank} out of range [0, {self.dp_size})"}, status=404)
         try:  # the decode side's own waiting timeout (wall seconds): the handler must not outlive it
             wait_s = min(float(request.query.get("timeout", "3600")), 3600.0)
         except ValueError:
             return web.json_response({"error": "timeout must be a number"}, status=400)
-        room = self._room(room_id)
+        key = (rank, room_id)
+        room = self._room(key)
         room.decode_arrived.set()
         try:
             info = await asyncio.wait_for(asyncio.shield(room.kv), timeout=wait_s)
@@ -151,15 +226,16 @@ class PrefillSide:
         except DisaggFailure as exc:
             return web.json_response({"error": str(exc)}, status=500)
         finally:
-            if not room.prefill_attached and self.rooms.get(room_id) is room:
-                del self.rooms[room_id]
+            if not room.prefill_attached and self.rooms.get(key) is room:
+                del self.rooms[key]
         return web.json_response(info)
 
     async def hand_over(self, bootstrap: Bootstrap, prompt_tokens: int, uncached_tokens: int,
-                        waited_s: float) -> None:
-        """After the prefill: wait for the decode peer (the rest of the bootstrap timeout, `waited_s`
-        being gone already), transfer the KV, and tell the peer. Raises DisaggFailure on timeout."""
-        room = self._room(bootstrap.room)
+                        waited_s: float, rank: int = 0) -> None:
+        """After the prefill on `rank`: wait for the decode peer (the rest of the bootstrap timeout,
+        `waited_s` being gone already), transfer the KV, and tell the peer. Raises DisaggFailure on timeout."""
+        key = (rank, bootstrap.room)
+        room = self._room(key)
         room.prefill_attached = True
         c = self.config
         try:
@@ -177,13 +253,15 @@ class PrefillSide:
                 raise exc from None
             await asyncio.sleep((c.transfer_base_s + c.transfer_per_token_s * uncached_tokens) * self.time_scale)
             self.transfers += 1
+            self.transfers_by_rank[rank] += 1
             self.recent_rooms.append(bootstrap.room)
+            self.recent_ranks.append(rank)
             if not room.kv.done():
                 room.kv.set_result({"room": bootstrap.room, "prompt_tokens": prompt_tokens,
                                     "transferred_tokens": uncached_tokens})
         finally:
-            if self.rooms.get(bootstrap.room) is room:
-                del self.rooms[bootstrap.room]
+            if self.rooms.get(key) is room:
+                del self.rooms[key]
 
 
 class DecodeSide:
@@ -195,23 +273,50 @@ class DecodeSide:
         self.waiting_timeouts = 0
         self.received = 0
         self.recent_rooms: deque[int] = deque(maxlen=64)  # rooms whose KV came in, newest last
+        self.recent_prefill_ranks: deque[int] = deque(maxlen=64)  # the prefill rank each came from, in step
         self._session: aiohttp.ClientSession | None = None
+        self._prefill_info: dict[str, dict[str, Any]] = {}  # bootstrap address → its dp_size, follow_bootstrap_room
 
     async def stop(self) -> None:
         if self._session is not None:
             await self._session.close()
 
+    async def _prefill_rank(self, base: str, bootstrap: Bootstrap) -> int:
+        """SGLang's `_resolve_prefill_dp_rank`: the request's `disagg_prefill_dp_rank`, else 0 (prefill
+        without DP), else `room % dp_size` (a prefill that follows the room), else the bootstrap
+        server's registration of the room, asked until it is there."""
+        if bootstrap.prefill_dp_rank is not None:
+            return bootstrap.prefill_dp_rank
+        assert self._session is not None
+        info = self._prefill_info.get(base)
+        if info is None:
+            async with self._session.get(base + INFO_PATH) as r:
+                info = self._prefill_info[base] = await r.json(content_type=None)
+        if info["dp_size"] <= 1:
+            return 0
+        if info["follow_bootstrap_room"]:
+            return bootstrap.room % info["dp_size"]
+        while True:
+            async with self._session.post(base + "/query_dp_ranks", json={"bootstrap_rooms": [bootstrap.room]}) as r:
+                found = (await r.json(content_type=None)).get(str(bootstrap.room))
+            if found is not None:
+                return int(found)
+            await asyncio.sleep(_QUERY_INTERVAL_S * self.time_scale)
+
     async def receive(self, bootstrap: Bootstrap) -> dict[str, Any]:
-        """Wait for the room's KV (SGLang's waiting timeout). Raises DisaggFailure."""
+        """Wait for the room's KV (SGLang's waiting timeout), from the prefill rank that holds it.
+        Raises DisaggFailure."""
         if self._session is None:
             self._session = aiohttp.ClientSession(trust_env=False)
         c = self.config
         host = f"[{bootstrap.host}]" if bootstrap.host and ":" in bootstrap.host else bootstrap.host
-        url = f"http://{host}:{bootstrap.port}" + ROOM_PATH.format(room=bootstrap.room)
+        base = f"http://{host}:{bootstrap.port}"
+        url = base + ROOM_PATH.format(room=bootstrap.room)
         wait_s = c.waiting_timeout_s * self.time_scale
         try:
             async with asyncio.timeout(wait_s):
-                async with self._session.post(url, params={"timeout": f"{wait_s:.6f}"}) as r:
+                prank = await self._prefill_rank(base, bootstrap)
+                async with self._session.post(url, params={"timeout": f"{wait_s:.6f}", "rank": str(prank)}) as r:
                     body = await r.json(content_type=None)
                     if r.status == 504:
                         raise TimeoutError
@@ -228,4 +333,5 @@ class DecodeSide:
                                 f"{bootstrap.host}:{bootstrap.port} ({type(exc).__name__})") from None
         self.received += 1
         self.recent_rooms.append(bootstrap.room)
+        self.recent_prefill_ranks.append(prank)
         return body

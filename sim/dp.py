@@ -64,14 +64,19 @@ class DpController:
         self._next = 0
         self._next_health = 0  # health checks take turns on a counter of their own, as in SGLang
 
-    def choose(self, pinned: int | None, *, health: bool = False) -> int:
-        """The rank to serve on; raises BadRequest for a pinned rank outside [0, dp_size)."""
+    def choose(self, pinned: int | None, *, health: bool = False, room: int | None = None,
+               follow_room: bool = False) -> int:
+        """The rank to serve on; raises BadRequest for a pinned rank outside [0, dp_size). With
+        `follow_room` (SGLang's follow_bootstrap_room, a PD prefill server's default) an unpinned
+        request with bootstrap `room` goes to rank `room % dp_size`."""
         n = self.dp_size
         if pinned is not None and not (n <= 1 and pinned == 0):
             if pinned < 0 or pinned >= n:
                 field = "routed_dp_rank" if _release(self.release) >= (0, 5, 14) else "data_parallel_rank"
                 raise BadRequest(f"{field}={pinned} out of range [0, {n})")
             return pinned
+        if follow_room and room is not None:
+            return room % n
         if health:
             rank = self._next_health
             self._next_health = (rank + 1) % n

@@ -230,7 +230,8 @@ class SimServer:
         self.outputs = self.outputs_by_rank[0]  # rank 0's (the only one without DP)
         self.engine = self.engines[0]
         self.dp = DpController(config.dp_size, config.wire)
-        self._rank_in_meta = tuple(int(x) for x in release_of(config.wire).split(".")) >= (0, 5, 14)
+        self._release = tuple(int(x) for x in release_of(config.wire).split("."))
+        self._rank_in_meta = self._release >= (0, 5, 14)
         self.metrics = SimMetrics(config.model_name)
         self.drivers: list[EngineDriver] = []
         self.driver: EngineDriver | None = None  # rank 0's
@@ -249,7 +250,8 @@ class SimServer:
         self._tasks = [asyncio.create_task(d.run(), name=f"sim-engine-{i}") for i, d in enumerate(self.drivers)]
         pd = self.config.disagg
         if pd is not None and pd.mode == "prefill":
-            self.prefill_side = PrefillSide(pd, self.config.host, self.config.time_scale)
+            self.prefill_side = PrefillSide(pd, self.config.host, self.config.time_scale, self.config.dp_size,
+                                            self.config.balance_method == "follow_bootstrap_room")
             await self.prefill_side.start()
         elif pd is not None:
             self.decode_side = DecodeSide(pd, self.config.time_scale)
@@ -404,10 +406,12 @@ class SimServer:
         p, d = self.prefill_side, self.decode_side
         if p is not None:
             return {"mode": "prefill", "transfers": p.transfers, "bootstrap_timeouts": p.bootstrap_timeouts,
-                    "open_rooms": len(p.rooms), "recent_rooms": list(p.recent_rooms)}
+                    "open_rooms": len(p.rooms), "recent_rooms": list(p.recent_rooms),
+                    "transfers_by_rank": list(p.transfers_by_rank), "recent_ranks": list(p.recent_ranks),
+                    "rank_conflicts": p.rank_conflicts}
         if d is not None:
             return {"mode": "decode", "received": d.received, "waiting_timeouts": d.waiting_timeouts,
-                    "recent_rooms": list(d.recent_rooms)}
+                    "recent_rooms": list(d.recent_rooms), "recent_prefill_ranks": list(d.recent_prefill_ranks)}
         return None
 
     def _load_snapshot(self, i: int = 0) -> dict[str, Any]:
@@ -457,7 +461,7 @@ class SimServer:
                     req = stream.req
                     await self.prefill_side.hand_over(
                         stream.handover, len(req.input_ids), len(req.input_ids) - req.cached_tokens,
-                        (time.monotonic() - stream.wall_submit) / self.config.time_scale)
+                        (time.monotonic() - stream.wall_submit) / self.config.time_scale, stream.rank)
                 yield out
                 if out.finished:
                     return
@@ -514,7 +518,7 @@ class SimServer:
         return meta
 
     def _submit(self, rid: str | None, input_ids: list[int], max_new_tokens: int, body: Any = None,
-                pinned: int | None = None, *, health: bool = False) -> _Stream:
+                pinned: int | None = None, *, health: bool = False, headers: Any = None) -> _Stream:
         """Start a request. Without PD: on the rank the DP front picks (`pinned`, else its turn). With
         the parsed `body` of a PD server (`--disaggregation-mode`), as that role does it: prefill
         computes one token then hands its KV to the room's decode server; decode waits for the room's
@@ -527,19 +531,25 @@ class SimServer:
                 stream = self._driver(rank).submit(rid, input_ids, max_new_tokens)
                 stream.rank = rank
                 return stream
-            bootstrap = bootstrap_of(body, pd.mode)
+            bootstrap = bootstrap_of(body, pd.mode, headers, self._release)
             if pd.mode == "prefill":  # like SGLang's prefill server: the prompt, one token, the handover
-                stream = self._driver().submit(rid, input_ids, min(max_new_tokens, 1))
+                rank = self.dp.choose(pinned, room=bootstrap.room,
+                                      follow_room=self.config.balance_method == "follow_bootstrap_room")
+                assert self.prefill_side is not None
+                self.prefill_side.check_rank(bootstrap.room, rank, bootstrap.prefill_dp_rank)
+                stream = self._driver(rank).submit(rid, input_ids, min(max_new_tokens, 1))
+                stream.rank = rank
                 stream.handover = bootstrap
                 return stream
-            self.engine.check(input_ids, max_new_tokens)
+            rank = self.dp.choose(pinned)  # the decode rank: pinned, else the controller's turn
+            self.engines[rank].check(input_ids, max_new_tokens)
         except RequestRejected as exc:
             raise protocol.BadRequest(str(exc)) from exc
         except MissingBootstrap as exc:
             raise protocol.BadRequest(str(exc)) from None
         placeholder = SimRequest(rid=rid, input_ids=list(input_ids), max_new_tokens=max_new_tokens,
                                  arrival=self._driver().sim_now())
-        stream = _Stream(req=placeholder, queue=asyncio.Queue(), wall_submit=time.monotonic())
+        stream = _Stream(req=placeholder, queue=asyncio.Queue(), wall_submit=time.monotonic(), rank=rank)
         stream.pending = asyncio.ensure_future(self._receive_kv(stream, bootstrap, rid, input_ids, max_new_tokens))
         return stream
 
@@ -548,7 +558,7 @@ class SimServer:
         assert self.decode_side is not None
         await self.decode_side.receive(bootstrap)
         try:
-            self._driver().submit(rid, input_ids, max_new_tokens, prefilled=True, stream=stream)
+            self._driver(stream.rank).submit(rid, input_ids, max_new_tokens, prefilled=True, stream=stream)
         except RequestRejected as exc:  # e.g. the rid came into use meanwhile
             raise DisaggFailure(str(exc)) from None
 
@@ -730,7 +740,8 @@ class SimServer:
             max_new = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
             if max_new is None:
                 max_new = self.engine.config.default_max_new_tokens
-            stream = self._submit(body.rid, protocol.chat_input_ids(body), max_new, body, self._pinned("chat", body, request))
+            stream = self._submit(body.rid, protocol.chat_input_ids(body), max_new, body, self._pinned("chat", body, request),
+                                  headers=request.headers)
             model = body.model or cfg.model_name
             if body.stream:
                 usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -757,7 +768,8 @@ class SimServer:
         async def completions(request: Request) -> Response:
             body = protocol.parse_body(await request.body(), protocol.CompletionRequest)
             ids = protocol.completion_input_ids(body)
-            stream = self._submit(body.rid, ids, body.max_tokens, body, self._pinned("completion", body, request))
+            stream = self._submit(body.rid, ids, body.max_tokens, body, self._pinned("completion", body, request),
+                                  headers=request.headers)
             model = body.model or cfg.model_name
             if body.stream:
                 usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -783,7 +795,8 @@ class SimServer:
             max_new = sp.max_new_tokens if sp is not None and sp.max_new_tokens is not None else None
             if max_new is None:
                 max_new = self.engine.config.default_max_new_tokens
-            stream = self._submit(body.rid, ids, max_new, body, self._pinned("generate", body, request))
+            stream = self._submit(body.rid, ids, max_new, body, self._pinned("generate", body, request),
+                                  headers=request.headers)
             if body.stream:
                 return StreamingResponse(self._sse_guard(self._generate_sse(stream)), media_type="text/event-stream",
                                          headers=_SSE_HEADERS)

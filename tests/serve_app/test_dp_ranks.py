@@ -181,9 +181,15 @@ def test_the_demo_fleet_can_run_dp_workers():
     assert [w.dp_size for w in demo_fleet(2, tmpdir="/tmp/kvroute-test", dp_size=2).workers] == [2, 2]
 
 
-def test_dp_ranks_on_a_pd_worker_are_refused_not_routed_unpinned():
-    with pytest.raises(FleetError, match=r"dp_size > 1 with role: decode is not supported yet"):
-        parse_fleet({"workers": [{"name": "d", "engine": "sim", "dp_size": 2, "role": "decode"}]})
+def test_dp_ranks_on_pd_workers_are_accepted_and_an_old_sim_wire_is_refused():
+    spec = parse_fleet({"workers": [
+        {"name": "p", "engine": "sim", "dp_size": 2, "role": "prefill", "bootstrap_port": 8998},
+        {"name": "d", "engine": "sim", "dp_size": 4, "role": "decode"}]})
+    assert [(w.role, w.dp_size) for w in spec.workers] == [("prefill", 2), ("decode", 4)]
+    # a simulated SGLang release that reads neither routed_dp_rank nor disagg_prefill_dp_rank
+    with pytest.raises(FleetError, match=r"worker 'd'.*dp_size > 1 with role: decode needs .*0\.5\.14.*0\.4\.9"):
+        parse_fleet({"workers": [{"name": "d", "engine": "sim", "dp_size": 2, "role": "decode",
+                                  "engine_args": {"wire": "0.4.9"}}]})
 
 
 async def test_a_hosted_worker_reports_its_dp_size_like_a_worker_actor(tmp_path):

@@ -112,3 +112,84 @@ def test_transfer_time_grows_with_the_uncached_prompt():
     c = DisaggConfig(mode="prefill")
     assert c.transfer_base_s + c.transfer_per_token_s * 10_000 == pytest.approx(0.051)
     assert DisaggConfig(mode="decode").waiting_timeout_s == 300.0
+
+
+# --- attention-DP ranks on both sides (SGLang 0.5.14+: routed_dp_rank, disagg_prefill_dp_rank) ------------
+
+
+@pytest.fixture(scope="module")
+def dp_pair():
+    """A prefill and a decode sim with 2 DP ranks each (2 s simulated PD timeouts), plus a prefill sim
+    whose ranks do not follow the room (round_robin: ranks register rooms with the bootstrap server)."""
+    p = start_sim("prefill", timeout_s=2.0, extra=["--dp-size", "2"])
+    d = start_sim("decode", timeout_s=2.0, extra=["--dp-size", "2"])
+    rr = start_sim("prefill", timeout_s=2.0, extra=["--dp-size", "2", "--load-balance-method", "round_robin"])
+    yield p, d, rr
+    for s in (p, d, rr):
+        s.stop()
+
+
+def _both(p, d, prefill_body: dict, decode_body: dict) -> tuple[httpx.Response, httpx.Response]:
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        dec = ex.submit(httpx.post, d.url + "/generate", json=decode_body, timeout=20)
+        pre = ex.submit(httpx.post, p.url + "/generate", json=prefill_body, timeout=20)
+        return pre.result(), dec.result()
+
+
+def _gen(room: int, prefill, **extra) -> dict:
+    return {"text": "dp ranks in a pd pair " * 20, "sampling_params": {"max_new_tokens": 3}, "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": prefill.bootstrap_port, "bootstrap_room": room, **extra}
+
+
+def _rank_counts(sim) -> list[int]:
+    return [r["requests_finished_total"] for r in httpx.get(sim.url + "/sim/stats", timeout=5).json()["ranks"]]
+
+
+def test_pinned_ranks_on_both_sides_serve_the_pair_on_exactly_those_ranks(dp_pair):
+    p, d, _ = dp_pair
+    room = 1000 * 2 + 1  # room % 2 == 1: the prefill rank the room implies
+    p0, d0 = _rank_counts(p), _rank_counts(d)
+    pr, dr = _both(p, d, _gen(room, p, routed_dp_rank=1), _gen(room, p, routed_dp_rank=0, disagg_prefill_dp_rank=1))
+    assert pr.status_code == 200 and dr.status_code == 200, (pr.text, dr.text)
+    assert dr.json()["meta_info"]["dp_rank"] == 0 and pr.json()["meta_info"]["dp_rank"] == 1
+    assert _rank_counts(p) == [p0[0], p0[1] + 1] and _rank_counts(d) == [d0[0] + 1, d0[1]]
+    ps, ds = p.stats(), d.stats()
+    assert ps["recent_rooms"][-1] == room and ps["recent_ranks"][-1] == 1
+    assert ds["recent_rooms"][-1] == room and ds["recent_prefill_ranks"][-1] == 1
+
+
+def test_an_unnamed_prefill_rank_is_found_from_the_room_as_sglangs_decode_does(dp_pair):
+    p, d, _ = dp_pair
+    room = 4444  # even: prefill rank 0 by follow_bootstrap_room; the decode side computes the same
+    pr, dr = _both(p, d, _gen(room, p), _gen(room, p, routed_dp_rank=1))
+    assert pr.status_code == 200 and dr.status_code == 200
+    assert pr.json()["meta_info"]["dp_rank"] == 0 and dr.json()["meta_info"]["dp_rank"] == 1
+    assert d.stats()["recent_prefill_ranks"][-1] == 0
+
+
+def test_a_prefill_rank_against_the_room_fails_like_sglangs_follow_bootstrap_room_conflict(dp_pair):
+    p, _, _ = dp_pair
+    before = p.stats()["rank_conflicts"]
+    r = httpx.post(p.url + "/generate", json=_gen(4446, p, routed_dp_rank=1), timeout=10)  # 4446 % 2 == 0
+    assert r.status_code == 500 and "follow_bootstrap_room conflict" in r.text
+    assert p.stats()["rank_conflicts"] == before + 1
+
+
+def test_a_decode_side_told_the_wrong_prefill_rank_times_out_on_both_sides(dp_pair):
+    p, d, _ = dp_pair
+    pb, db = p.stats()["bootstrap_timeouts"], d.stats()["waiting_timeouts"]
+    room = 9001  # odd: the prefill serves it on rank 1; the decode side is told rank 0
+    pr, dr = _both(p, d, _gen(room, p), _gen(room, p, disagg_prefill_dp_rank=0))
+    assert pr.status_code == 500 and "KVPoll.Bootstrapping" in pr.text
+    assert dr.status_code == 500 and "KVPoll.WaitingForInput" in dr.text
+    assert p.stats()["bootstrap_timeouts"] == pb + 1 and d.stats()["waiting_timeouts"] == db + 1
+
+
+def test_a_prefill_server_that_does_not_follow_the_room_registers_it_for_the_decode_side(dp_pair):
+    _, d, rr = dp_pair
+    results = [_both(rr, d, _gen(room, rr), _gen(room, rr)) for room in (7000, 7002)]  # both even
+    assert all(pr.status_code == 200 and dr.status_code == 200 for pr, dr in results)
+    # round robin put the two rooms on different prefill ranks, whatever the room says; the decode
+    # side asked the bootstrap server (/query_dp_ranks) and met each on its rank
+    assert sorted(pr.json()["meta_info"]["dp_rank"] for pr, _ in results) == [0, 1]
+    assert d.stats()["recent_prefill_ranks"][-2:] == [pr.json()["meta_info"]["dp_rank"] for pr, _ in results]

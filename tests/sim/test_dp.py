@@ -195,3 +195,16 @@ def test_every_rank_pushes_kv_metrics_to_the_one_address_and_publishes_on_its_ow
         for s in (pull, *subs):
             s.close(0)
         ctx.term()
+
+
+def test_dp_ranks_with_a_pd_role_need_a_release_that_reads_the_pd_rank_fields():
+    from sim.config import SimConfig
+    from sim.disagg import DisaggConfig
+
+    cfg = SimConfig(dp_size=2, disagg=DisaggConfig(mode="prefill"))
+    assert cfg.balance_method == "follow_bootstrap_room"  # SGLang's `auto` on a PD prefill server
+    assert SimConfig(dp_size=2, disagg=DisaggConfig(mode="decode")).balance_method == "round_robin"
+    with pytest.raises(ValueError, match="needs wire 0.5.14 or later"):
+        SimConfig(dp_size=2, disagg=DisaggConfig(mode="decode"), wire="0.4.9")
+    with pytest.raises(ValueError, match="follow_bootstrap_room is for a PD prefill server"):
+        SimConfig(dp_size=2, load_balance_method="follow_bootstrap_room")
