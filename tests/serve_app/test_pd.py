@@ -323,3 +323,118 @@ def test_a_prefill_worker_that_dies_mid_request_makes_the_pair_retry(sims):
         assert core.ledger.in_flight("p_slow") == 0 and core.ledger.in_flight("d0") == 0
     finally:
         slow.stop()
+
+
+# --- attention-DP ranks inside a PD pair (docs/pd.md, "DP ranks in a PD pair") ------------------------------
+
+
+def put_dp(core: RouterCore, clock: Clock, name: str, role: str, running: list[int], *, url: str | None = None,
+           port: int | None = None) -> None:
+    """A PD worker with one attention-DP rank per entry of `running` (each rank's own KvMetrics)."""
+    ranks = [dict(request_active_slots=r, request_total_slots=64, kv_active_blocks=r * 50, kv_total_blocks=4096,
+                  num_requests_waiting=r // 3, gpu_cache_usage_perc=0.0, gpu_prefix_cache_hit_rate=0.0,
+                  data_parallel_rank=i) for i, r in enumerate(running)]
+    core.follower.workers[name] = WorkerRecord(
+        name=name, url=url or f"http://{name}.local:30000", page_size=16, state="live", healthy=True,
+        metrics=ranks[0], ranks=ranks, metrics_at=clock.t, heartbeat_at=clock.t, dp_size=len(running),
+        rank_at={i: clock.t for i in range(len(running))}, role=role,
+        bootstrap_port=(port or 8998) if role == "prefill" else None)
+    core.on_fleet_update([name])
+
+
+def test_each_side_of_the_pair_is_a_worker_and_rank_chosen_by_the_same_policy():
+    from serve_app.dp_ranks import PREFILL_RANK_FIELD
+
+    for policy in ("kv_aware", "least_loaded"):
+        core, clock = make_core(policy=policy)
+        put_dp(core, clock, "p0", "prefill", [40, 0])  # rank 1 idle
+        put_dp(core, clock, "d0", "decode", [0, 40])  # rank 0 idle
+        pair = decide_pair(core, core.facts(chat("ranks " * 20)), None, None)
+        assert (pair.prefill.worker, pair.prefill.rank, pair.decode.worker, pair.decode.rank) == ("p0", 1, "d0", 0)
+        route = pair.as_json()
+        assert route["rank"] == 0 and route["prefill"]["rank"] == 1 and route["decode"]["rank"] == 0
+    # booked per (worker, rank) on both sides, released per (worker, rank)
+    p, d = route_pair(core, core.facts(chat("ranks " * 20)), None, None)
+    assert core.ledger.in_flight("p0@1") == 1 and core.ledger.in_flight("d0@0") == 1
+    assert core.ledger.in_flight("p0@0") == 0 and core.in_flight("p0") == 1
+    p.finished()
+    d.failed()
+    assert core.in_flight("p0") == 0 and core.in_flight("d0") == 0
+    assert PREFILL_RANK_FIELD == "disagg_prefill_dp_rank"
+
+
+def test_the_pair_bodies_pin_each_side_as_sglang_routers_pd_mode_with_dp_ranks_does():
+    from serve_app.dp_ranks import pd_headers
+    from serve_app.pd import pair_bodies
+
+    body = chat("x", data_parallel_rank=5, stream=True)
+    p, d = (json.loads(b) for b in pair_bodies(body, "10.0.0.1", 8998, [7], None, 1, 0))
+    assert (p["routed_dp_rank"], p["data_parallel_rank"]) == (1, 1) and "disagg_prefill_dp_rank" not in p
+    assert (d["routed_dp_rank"], d["data_parallel_rank"], d["disagg_prefill_dp_rank"]) == (0, 0, 1)
+    assert p["bootstrap_room"] == d["bootstrap_room"] == 7 and p["bootstrap_host"] == d["bootstrap_host"] == "10.0.0.1"
+    # a DP prefill and a plain decode: the decode side still learns the prefill rank, pins none of its own
+    p, d = (json.loads(b) for b in pair_bodies(chat("x"), "h", 1, [7], None, 2, None))
+    assert p["routed_dp_rank"] == 2 and "routed_dp_rank" not in d and d["disagg_prefill_dp_rank"] == 2
+    # no ranks: the same bytes to both, no rank field
+    p_raw, d_raw = pair_bodies(chat("x"), "h", 1, [7], None, None, None)
+    assert p_raw is d_raw and b"dp_rank" not in p_raw
+    assert pd_headers({"x-override-routed-dp-rank": "1", "X-Data-Parallel-Rank": "1",
+                       "x-override-disagg-prefill-dp-rank": "0", "authorization": "k"}) == {"authorization": "k"}
+
+
+def test_rooms_follow_the_prefill_rank_modulo_its_dp_size():
+    rng = random.Random(3)
+    for rank, dp in ((0, 2), (1, 2), (3, 4), (6, 7)):
+        rooms = new_rooms(rng, 50, rank, dp)
+        assert all(r % dp == rank and 0 <= r <= ROOM_MAX for r in rooms) and len(set(rooms)) == 50
+    assert len({r % 2 for r in new_rooms(rng, 64)}) == 2  # no rank: unconstrained
+
+
+@pytest.fixture(scope="module")
+def dp_sims():
+    p = start_sim("prefill", timeout_s=4, extra=["--dp-size", "2"])
+    d = start_sim("decode", timeout_s=4, extra=["--dp-size", "2"])
+    yield p, d
+    p.stop()
+    d.stop()
+
+
+def _rank_finished(sim: Sim) -> list[int]:
+    import httpx
+
+    return [r["requests_finished_total"] for r in httpx.get(sim.url + "/sim/stats", timeout=5).json()["ranks"]]
+
+
+def test_a_pd_request_with_dp_ranks_reaches_the_chosen_prefill_rank_and_decode_rank(dp_sims):
+    """Four requests, each chosen for prefill rank 1 and decode rank 1 (the other ranks look busy):
+    unpinned, the decode sim's round robin could not serve two in a row on rank 1, and the prefill
+    sim would serve each on the rank its random room implies."""
+    p, d = dp_sims
+    core, clock = make_core(policy="kv_aware", max_attempts=2)
+    put_dp(core, clock, "p0", "prefill", [40, 0], url=p.url, port=p.bootstrap_port)
+    put_dp(core, clock, "d0", "decode", [40, 0], url=d.url)
+    p0, d0 = _rank_finished(p), _rank_finished(d)
+    for i in range(4):
+        sink = _serve(core, chat(f"DP ranks in a PD pair {i} " * 20, stream=i % 2 == 0, max_tokens=3))
+        assert sink.status == 200, sink.body
+        assert sink.headers["x-kvroute-worker"] == "d0" and sink.headers["x-kvroute-rank"] == "1"
+        assert sink.headers["x-kvroute-prefill-worker"] == "p0" and sink.headers["x-kvroute-prefill-rank"] == "1"
+    assert _rank_finished(p) == [p0[0], p0[1] + 4] and _rank_finished(d) == [d0[0], d0[1] + 4]
+    ps, ds = p.stats(), d.stats()
+    assert ps["recent_ranks"][-4:] == [1] * 4 and ps["rank_conflicts"] == 0
+    assert ds["recent_prefill_ranks"][-4:] == [1] * 4 and ds["recent_rooms"][-4:] == ps["recent_rooms"][-4:]
+    assert all(core.ledger.in_flight(t) == 0 for t in ("p0@0", "p0@1", "d0@0", "d0@1"))
+
+
+def test_a_dead_dp_prefill_worker_makes_the_pair_retry_on_another_worker_and_rank(dp_sims):
+    p, d = dp_sims
+    core, clock = make_core(policy="kv_aware", max_attempts=3)
+    put_dp(core, clock, "p0", "prefill", [0, 40], url=p.url, port=p.bootstrap_port)
+    put_dp(core, clock, "p_dead", "prefill", [0, 0], url=f"http://127.0.0.1:{free_port()}", port=free_port())
+    put_dp(core, clock, "d0", "decode", [0, 40], url=d.url)
+    assert decide_pair(core, core.facts(chat("retry ranks " * 30)), None, None).prefill.worker == "p_dead"
+    sink = _serve(core, chat("retry ranks " * 30, stream=True, max_tokens=3))
+    assert sink.status == 200, sink.body
+    assert sink.headers["x-kvroute-prefill-worker"] == "p0" and sink.headers["x-kvroute-prefill-rank"] == "0"
+    assert sink.headers["x-kvroute-rank"] == "0" and len(_tokens(sink.body)) == 3
+    assert core.in_flight("p_dead") == 0 and core.in_flight("d0") == 0
