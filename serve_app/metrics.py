@@ -40,6 +40,19 @@ class _FleetCollector(Collector):
             "(exact prefix mode is blind for it: check which side binds --kv-events-config)", labels=["worker"])
         batches = CounterMetricFamily("kvroute_worker_kv_event_batches", "KV-event batches the worker's actor "
                                       "received (as of its last report)", labels=["worker"])
+        # an attention-DP worker's ranks, each a routing target of its own (the per-worker series above
+        # sum them: running/waiting/in-flight summed, KV use as the worker's report gives it)
+        r_running = GaugeMetricFamily("kvroute_worker_rank_running_requests", "Reported running requests of one "
+                                      "attention-DP rank (DP workers only)", labels=["worker", "rank"])
+        r_waiting = GaugeMetricFamily("kvroute_worker_rank_waiting_requests", "Reported queued requests of one "
+                                      "attention-DP rank (DP workers only)", labels=["worker", "rank"])
+        r_kv = GaugeMetricFamily("kvroute_worker_rank_kv_usage_ratio", "Reported KV cache use (0..1) of one "
+                                 "attention-DP rank (DP workers only)", labels=["worker", "rank"])
+        r_inflight = GaugeMetricFamily("kvroute_worker_rank_in_flight_requests", "Requests this replica dispatched "
+                                       "to one attention-DP rank and not finished (DP workers only)",
+                                       labels=["worker", "rank"])
+        role = GaugeMetricFamily("kvroute_worker_role", "1 for the worker's prefill/decode role (PD workers only; "
+                                 "join on worker)", labels=["worker", "role"])
         model = GaugeMetricFamily("kvroute_worker_model", "1 for each model name the worker serves (join on worker; "
                                   "none for a worker that declares no model)", labels=["worker", "model"])
         for rec in self.core.follower.workers.values():
@@ -56,6 +69,17 @@ class _FleetCollector(Collector):
             inflight.add_metric([rec.name], self.core.in_flight(rec.name))
             for s in _STATES:
                 state.add_metric([rec.name, s], 1.0 if rec.state == s else 0.0)
+            if rec.role != "both":
+                role.add_metric([rec.name, rec.role], 1.0)
+            targets = self.core.targets(rec.name)
+            if len(targets) > 1:
+                by_rank = {r.get("data_parallel_rank", 0): r for r in rec.ranks}
+                for rank, target in enumerate(targets):
+                    rm, lbl = by_rank.get(rank) or {}, [rec.name, str(rank)]
+                    r_running.add_metric(lbl, rm.get("request_active_slots", 0))
+                    r_waiting.add_metric(lbl, rm.get("num_requests_waiting", 0))
+                    r_kv.add_metric(lbl, rm.get("gpu_cache_usage_perc", 0.0))
+                    r_inflight.add_metric(lbl, self.core.ledger.in_flight(target))
             breaker.add_metric([rec.name], STATE_CODE[self.breakers.state(rec.name)])
         age = self.core.follower.snapshot_age_s()
         snap = GaugeMetricFamily("kvroute_snapshot_age_seconds", "Time since the aggregator last answered")
@@ -65,7 +89,8 @@ class _FleetCollector(Collector):
         tok = CounterMetricFamily("kvroute_tokenize_failures", "Prompts the configured tokenizer or chat "
                                   "template refused (routed with approximate prefix affinity)")
         tok.add_metric([], self.core.tokenize_failures)
-        yield from (running, waiting, kv, inflight, state, breaker, snap, up, tok, silent, batches, model)
+        yield from (running, waiting, kv, inflight, state, breaker, snap, up, tok, silent, batches, model,
+                    r_running, r_waiting, r_kv, r_inflight, role)
 
 
 class RouterMetrics:

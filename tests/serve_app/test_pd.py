@@ -438,3 +438,25 @@ def test_a_dead_dp_prefill_worker_makes_the_pair_retry_on_another_worker_and_ran
     assert sink.headers["x-kvroute-prefill-worker"] == "p0" and sink.headers["x-kvroute-prefill-rank"] == "0"
     assert sink.headers["x-kvroute-rank"] == "0" and len(_tokens(sink.body)) == 3
     assert core.in_flight("p_dead") == 0 and core.in_flight("d0") == 0
+
+
+def test_prometheus_carries_each_ranks_load_and_in_flight_and_each_workers_role():
+    core, clock = make_core()
+    put_dp(core, clock, "p0", "prefill", [4, 9])
+    put_dp(core, clock, "d0", "decode", [0, 6])
+    put(core, clock, "w", "both")  # a plain worker: no per-rank series, no role series
+    p, d = route_pair(core, core.facts(chat("metrics " * 20)), None, None)
+    text = RouterMetrics(core, Breakers(core.config.breaker)).render().decode()
+
+    def series(name: str) -> dict[str, float]:
+        return {line.split("{", 1)[1].split("}")[0]: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines() if line.startswith(name + "{")}
+
+    assert series("kvroute_worker_rank_running_requests") == {
+        'rank="0",worker="p0"': 4, 'rank="1",worker="p0"': 9, 'rank="0",worker="d0"': 0, 'rank="1",worker="d0"': 6}
+    assert series("kvroute_worker_rank_waiting_requests")['rank="1",worker="p0"'] == 3
+    inflight = series("kvroute_worker_rank_in_flight_requests")
+    assert inflight[f'rank="{p.decision.rank}",worker="p0"'] == 1 and inflight[f'rank="{d.decision.rank}",worker="d0"'] == 1
+    assert sum(inflight.values()) == 2
+    assert series("kvroute_worker_role") == {'role="prefill",worker="p0"': 1, 'role="decode",worker="d0"': 1}
+    assert series("kvroute_worker_in_flight_requests")['worker="p0"'] == 1  # the per-worker series stay
