@@ -331,7 +331,7 @@ class SimServer:
             "tp_size": 1,
             "dp_size": c.dp_size,
             "enable_dp_attention": c.dp_size > 1,
-            "load_balance_method": "round_robin",
+            "load_balance_method": c.balance_method,  # `auto` resolved, as SGLang reports it
             "decode_log_interval": e.decode_log_interval,
             "enable_metrics": True,
             "kv_events_config": kv_cfg,
