@@ -24,8 +24,11 @@ asks the bootstrap server (`/query_dp_ranks`) until the room is registered. The 
 (prefill rank, room): a decode side that looks on the wrong rank waits out its waiting timeout while
 the prefill side waits out its bootstrap timeout, as SGLang's would.
 
+The decode side preallocates the prompt's KV pages on arrival (SGLang's decode prealloc queue;
+`Engine.prealloc`), so its KvMetrics count requests waiting for their KV.
+
 What is not: SGLang's transfer engines (Mooncake/NIXL), the KV indices decode sends to prefill, and
-decode-side KV pre-allocation. The rendezvous is one loopback HTTP long-poll on the prefill sim's
+the prealloc queue's wait when the decode pool is full. The rendezvous is one loopback HTTP long-poll on the prefill sim's
 bootstrap port: `POST /kvroute_sim/rooms/{room}?rank=R` answers when that room's KV has arrived from
 prefill rank R; `GET /kvroute_sim/info` tells a decode sim the prefill server's dp_size and whether it
 follows the room. All durations are simulated seconds (× `--time-scale` on the wall clock).

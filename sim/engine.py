@@ -178,6 +178,7 @@ class Engine:
         self.running: list[SimRequest] = []
         self.requests: dict[str, SimRequest] = {}
         self.reserved_pages = 0
+        self._prealloc: dict[str, int] = {}  # PD decode: rid → pages held for a prompt whose KV is on the way
         self.forward_ct_decode = 0
         self._in_flight: Batch | None = None
         # cumulative stats
@@ -213,6 +214,25 @@ class Engine:
         self.waiting.append(req)
         return req
 
+    def prealloc(self, rid: str, prompt_tokens: int) -> bool:
+        """PD decode: hold the prompt's KV pages from the moment the request arrives, as SGLang's
+        decode prealloc queue does before the KV is transferred into them (they show in KvMetrics
+        and /v1/loads as used). False when the pool cannot hold them now: then they are taken at
+        admission (SGLang would hold the request in its prealloc queue instead; not modelled). Raises
+        RequestRejected for a request id already in use."""
+        if rid in self._prealloc or rid in self.requests:
+            raise RequestRejected(f"request id {rid!r} is already in use")
+        pages = -(-prompt_tokens // self.page_size)
+        if pages > self.pool.available_pages - self.reserved_pages:
+            return False
+        self.pool.alloc(pages)
+        self._prealloc[rid] = pages
+        return True
+
+    def release_prealloc(self, rid: str) -> None:
+        """Give back a request's preallocated pages (its KV never came, or it is admitted)."""
+        self.pool.free(self._prealloc.pop(rid, 0))
+
     def check(self, input_ids: Sequence[int], max_new_tokens: int) -> None:
         """Raises RequestRejected if a request could never run here."""
         if not input_ids:
@@ -241,6 +261,7 @@ class Engine:
         if req is None or req.finished:
             return False
         if req.state == ReqState.WAITING:
+            self.release_prealloc(rid)
             self.waiting.remove(req)
             req.state = ReqState.ABORTED
             req.finish_time = now
@@ -297,9 +318,11 @@ class Engine:
                 self.pool.available_pages
                 - self.pool.unlocked_count(req.chain[:matched])
                 - self.reserved_pages
+                + self._prealloc.get(req.rid, 0)  # its own preallocated pages (PD decode) count as its
             )
             if private_now + max(growth, 0) > capacity:
                 break  # FIFO: the head waits for memory, nobody overtakes it
+            self.release_prealloc(req.rid)  # they become its private pages just below
             self.pool.lock(req.chain[:matched], now)
             self.pool.alloc(private_now)
             req.locked = matched

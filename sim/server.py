@@ -543,6 +543,7 @@ class SimServer:
                 return stream
             rank = self.dp.choose(pinned)  # the decode rank: pinned, else the controller's turn
             self.engines[rank].check(input_ids, max_new_tokens)
+            self.engines[rank].prealloc(rid, len(input_ids))  # SGLang's decode prealloc queue
         except RequestRejected as exc:
             raise protocol.BadRequest(str(exc)) from exc
         except MissingBootstrap as exc:
@@ -556,11 +557,15 @@ class SimServer:
     async def _receive_kv(self, stream: _Stream, bootstrap: Bootstrap, rid: str, input_ids: list[int],
                           max_new_tokens: int) -> None:
         assert self.decode_side is not None
-        await self.decode_side.receive(bootstrap)
         try:
+            await self.decode_side.receive(bootstrap)
             self._driver(stream.rank).submit(rid, input_ids, max_new_tokens, prefilled=True, stream=stream)
         except RequestRejected as exc:  # e.g. the rid came into use meanwhile
+            self.engines[stream.rank].release_prealloc(rid)
             raise DisaggFailure(str(exc)) from None
+        except BaseException:  # no KV (timeout, failed peer) or the client went away: free its pages
+            self.engines[stream.rank].release_prealloc(rid)
+            raise
 
     async def _sse_guard(self, pieces: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         """A PD stream whose KV handoff fails ends with SGLang's error event instead of a reset."""

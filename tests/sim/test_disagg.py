@@ -193,3 +193,29 @@ def test_a_prefill_server_that_does_not_follow_the_room_registers_it_for_the_dec
     # side asked the bootstrap server (/query_dp_ranks) and met each on its rank
     assert sorted(pr.json()["meta_info"]["dp_rank"] for pr, _ in results) == [0, 1]
     assert d.stats()["recent_prefill_ranks"][-2:] == [pr.json()["meta_info"]["dp_rank"] for pr, _ in results]
+
+
+def test_a_decode_request_waiting_for_its_kv_holds_the_prompts_pages_as_sglangs_prealloc_queue_does():
+    p = start_sim("prefill", timeout_s=60.0)
+    d = start_sim("decode", timeout_s=60.0)  # 6 s wall: time to look at the decode side while it waits
+    try:
+        def used() -> int:
+            return httpx.get(d.url + "/sim/stats", timeout=5).json()["used_tokens"]
+
+        body = {"text": "x " * 500, "sampling_params": {"max_new_tokens": 2}, "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": p.bootstrap_port, "bootstrap_room": 31337}
+        assert used() == 0
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            dec = ex.submit(httpx.post, d.url + "/generate", json=body, timeout=30)
+            deadline = time.monotonic() + 5
+            while used() == 0 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            held = used()
+            assert held > 0 and held % 16 == 0  # whole pages, before any KV has come
+            assert httpx.get(d.url + "/sim/stats", timeout=5).json()["num_running_reqs"] == 0
+            pr = httpx.post(p.url + "/generate", json=body, timeout=30)  # now the KV comes
+            assert pr.status_code == 200 and dec.result().status_code == 200
+        assert used() == 0  # admitted into those pages, finished, cached
+    finally:
+        p.stop()
+        d.stop()

@@ -427,3 +427,25 @@ def test_stats_measure_ttft_and_queueing_in_simulated_seconds():
     assert stats.mean_ttft_s == pytest.approx((0.1 + 0.7) / 2)
     assert stats.mean_queue_time_s == pytest.approx((0.0 + 0.6) / 2)
     assert stats.num_waiting_reqs == 0 and stats.requests_finished_total == 2
+
+
+def test_pd_decode_preallocation_holds_the_prompts_pages_until_admission_or_release():
+    """SGLang's decode prealloc queue: a PD decode request's prompt KV is taken when it arrives, before
+    the KV is transferred, so the pool (and KvMetrics) show it as used while it waits."""
+    eng, rec, clock = make()  # 100 pages of 4 tokens
+    assert eng.prealloc("a", 10)  # 3 pages
+    assert eng.stats().used_tokens == 12 and eng.stats().num_running_reqs == 0
+    with pytest.raises(RequestRejected, match="already in use"):
+        eng.prealloc("a", 10)
+    assert not eng.prealloc("huge", 1000)  # more than the pool holds now: not held (taken at admission)
+    eng.submit("a", list(range(1, 11)), 3, clock(), prefilled=True)
+    run_until_idle(eng, clock, clock.advance)
+    assert eng.stats().requests_finished_total == 1 and eng.stats().used_tokens == 0  # admitted, finished, freed
+    assert rec.reports[0].kv_active_blocks > 0
+    eng.prealloc("b", 8)
+    eng.release_prealloc("b")  # its KV never came
+    assert eng.stats().used_tokens == 0
+    eng.prealloc("c", 8)
+    eng.submit("c", list(range(1, 9)), 2, clock(), prefilled=True)
+    assert eng.abort("c", clock())  # aborted while waiting: its preallocated pages go back
+    assert eng.stats().used_tokens == 0
