@@ -80,7 +80,8 @@ class WorkerSpec(BaseModel):
     dp_size: int = Field(
         1, ge=1, le=1024, description="attention-DP ranks of the engine (SGLang --dp-size with "
         "--enable-dp-attention): each rank is a routing target, and the forwarded request pins the chosen one "
-        "(`data_parallel_rank`); managed mode passes --dp-size to the engine",
+        "(`data_parallel_rank`); with role prefill/decode both ranks of the pair are pinned (docs/pd.md); "
+        "managed mode passes --dp-size to the engine",
     )
     replicas: int = Field(1, ge=1, le=1024, description="expand into name-0 … name-(n-1)")
     num_gpus: float = Field(0, ge=0, description="GPUs the worker actor requests (= the engine's tp_size)")
