@@ -314,7 +314,11 @@ def _markdown(doc, agg, rates, targets, oh, goals, plots) -> str:
     if cfg.get("dp_size", 1) > 1:
         L.append(f"- DP attention: each worker runs `--dp-size {cfg['dp_size']}` (that many ranks behind one server, "
                  "each with the engine arguments above: its own scheduler, KV pool, KvMetrics and KV events); kvroute's "
-                 "fleet entries say `dp_size` and its policies pick worker and rank; sglang-router runs `--dp-aware`.")
+                 "fleet entries say `dp_size` and its policies pick worker and rank; "
+                 + ("sglang-router's PD mode runs without `--dp-aware` (0.3.2's `--dp-aware` in PD mode sends to "
+                    "`url@rank` as a URL and every request fails, docs/pd.md): SGLang places each prefill on "
+                    "`bootstrap_room % dp_size` and each decode round robin; kvroute pins both ranks."
+                    if cfg.get("pd") else "sglang-router runs `--dp-aware`."))
     pd = cfg.get("pd")
     if pd:
         L.append(f"- Prefill/decode disaggregation ([docs/pd.md](../../docs/pd.md)): the {cfg['workers']} workers are "

@@ -440,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=None, help="override the suite's number of workers")
     ap.add_argument("--dp-size", type=int, default=1,
                     help="attention-DP ranks per worker (sim --dp-size; kvroute's fleet dp_size; sglang-router "
-                    "--dp-aware), e.g. --workers 2 --dp-size 2")
+                    "--dp-aware, except in PD mode: see docs/pd.md), e.g. --workers 2 --dp-size 2, or "
+                    "--suite pd --dp-size 2 for prefill and decode sims with 2 ranks each")
     ap.add_argument("--no-sub", action="store_true", help="skip the ingest/decision subprocess benchmarks")
     ap.add_argument("--no-overhead", action="store_true", help="skip the overhead phase")
     ap.add_argument("-v", "--verbose", action="store_true")

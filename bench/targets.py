@@ -523,12 +523,14 @@ class BenchFleet:
             pre = [n for n, (r, _) in self._pd_workers.items() if r == "prefill"]
             dec = [n for n, (r, _) in self._pd_workers.items() if r == "decode"]
             posts = []
-            for i in range(max(len(pre), len(dec))):
-                p = pre[i % len(pre)]
+            n = self.dp_size  # with DP ranks, every rank of every worker: the pair pinned to rank r on both
+            for i in range(max(len(pre), len(dec)) * n):
+                p, r = pre[(i // n) % len(pre)], i % n
                 b = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": self._pd_workers[p][1],
-                     "bootstrap_room": random.getrandbits(63)}
+                     "bootstrap_room": random.getrandbits(62) * n + r}  # ≡ r: the prefill sim's rank
+                d = {**b, "routed_dp_rank": r, "disagg_prefill_dp_rank": r} if n > 1 else b
                 posts += [client.post(self.worker_urls[p] + "/v1/chat/completions", json=b),
-                          client.post(self.worker_urls[dec[i % len(dec)]] + "/v1/chat/completions", json=b)]
+                          client.post(self.worker_urls[dec[(i // n) % len(dec)]] + "/v1/chat/completions", json=d)]
             rs = await asyncio.gather(*posts)
         else:
             rs = await asyncio.gather(*(client.post(u + "/v1/chat/completions", json=body)
