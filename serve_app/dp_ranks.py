@@ -26,6 +26,7 @@ RANK_FIELD = "data_parallel_rank"  # what sglang-router --dp-aware sends; every 
 ROUTED_FIELD = "routed_dp_rank"  # SGLang >= 0.5.14's own name; it wins over RANK_FIELD there
 # request headers that override the body's rank on SGLang 0.5.x (dropped when kvroute pins a rank)
 RANK_HEADERS = ("x-data-parallel-rank", "x-override-routed-dp-rank")
+RANK_HEADER = "x-kvroute-rank"  # response header: the attention-DP rank that served it (a PD pair's decode rank)
 
 
 def pinned_body(body: dict[str, Any], rank: int) -> bytes:

@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator
 
 from serve_app.breaker import Breakers
 from serve_app.config import RouterConfig
-from serve_app.dp_ranks import pinned_body, pinned_headers
+from serve_app.dp_ranks import RANK_HEADER, pinned_body, pinned_headers
 from serve_app.http import HttpError, Request, Send, no_worker, send_body, send_json, send_stream
 from serve_app.metrics import RouterMetrics
 from serve_app.pd import PdDispatch
@@ -30,7 +30,6 @@ logger = logging.getLogger("kvroute.router")
 
 POLICY_HEADER = "x-kvroute-policy"
 WORKER_HEADER = "x-kvroute-worker"
-RANK_HEADER = "x-kvroute-rank"  # the attention-DP rank that served the request (DP workers only)
 
 
 class Forwarder:

@@ -12,6 +12,10 @@ watches it until the decode side's first byte: a prefill server that fails (refu
 retryable status) leaves its decode peer waiting for a KV cache that never comes (SGLang's
 SGLANG_DISAGGREGATION_WAITING_TIMEOUT, 300 s), so the decode request is cancelled and the pair
 retried without that worker. A decode side that fails before its first byte is retried the same way.
+
+With attention-DP workers each side's candidates are (worker, rank) targets, and the two bodies
+differ: each pins its side's rank, the decode one also names the prefill rank, and the room is
+chosen ≡ the prefill rank mod its dp_size (docs/pd.md, "DP ranks in a PD pair").
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, AsyncIterator
 from urllib.parse import urlsplit
 
-from serve_app.dp_ranks import pd_headers, pd_rank_fields, with_rank_fields
+from serve_app.dp_ranks import RANK_HEADER, pd_headers, pd_rank_fields, with_rank_fields
 from serve_app.http import HttpError, Request, Send, no_worker, send_body, send_stream
 from serve_app.policies import Decision, NoWorkerAvailable, RouteRequest
 from serve_app.proxy import UPSTREAM_ERRORS, Upstream, UpstreamError, forward_headers, sse_error_event
@@ -41,7 +45,6 @@ DECODE = "decode"
 ROOM_MAX = 2**63 - 1  # sglang-router: a random u64 masked to [0, 2^63 - 1] (Python's randint(0, 2**63 - 1))
 PREFILL_WORKER_HEADER = "x-kvroute-prefill-worker"
 PREFILL_RANK_HEADER = "x-kvroute-prefill-rank"  # the prefill side's attention-DP rank (DP prefill workers only)
-RANK_HEADER = "x-kvroute-rank"  # the decode side's (as serve_app.forward names a DP worker's rank)
 PREFILL_BLAME_S = 1.0  # how long a decode stream's opening error waits to learn whether its prefill side failed
 
 

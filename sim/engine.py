@@ -178,7 +178,8 @@ class Engine:
         self.running: list[SimRequest] = []
         self.requests: dict[str, SimRequest] = {}
         self.reserved_pages = 0
-        self._prealloc: dict[str, int] = {}  # PD decode: rid → pages held for a prompt whose KV is on the way
+        # PD decode: rid → (prompt pages held, output pages reserved) for a request whose KV is on the way
+        self._prealloc: dict[str, tuple[int, int]] = {}
         self.forward_ct_decode = 0
         self._in_flight: Batch | None = None
         # cumulative stats
@@ -214,24 +215,30 @@ class Engine:
         self.waiting.append(req)
         return req
 
-    def prealloc(self, rid: str, prompt_tokens: int) -> bool:
+    def prealloc(self, rid: str, prompt_tokens: int, max_new_tokens: int) -> bool:
         """PD decode: hold the prompt's KV pages from the moment the request arrives, as SGLang's
         decode prealloc queue does before the KV is transferred into them (they show in KvMetrics
-        and /v1/loads as used). False when the pool cannot hold them now: then they are taken at
-        admission (SGLang would hold the request in its prealloc queue instead; not modelled). Raises
+        and /v1/loads as used), and reserve its output's pages (not shown as used), so that once its
+        KV is in it is admitted without waiting for memory, as SGLang's decode runs a transferred
+        request at once. False when the pool cannot hold both now: then they are taken at admission
+        (SGLang would hold the request in its prealloc queue instead; not modelled). Raises
         RequestRejected for a request id already in use."""
         if rid in self._prealloc or rid in self.requests:
             raise RequestRejected(f"request id {rid!r} is already in use")
         pages = -(-prompt_tokens // self.page_size)
-        if pages > self.pool.available_pages - self.reserved_pages:
+        growth = max(self._final_pages(prompt_tokens, max_new_tokens) - pages, 0)
+        if pages + growth > self.pool.available_pages - self.reserved_pages:
             return False
         self.pool.alloc(pages)
-        self._prealloc[rid] = pages
+        self.reserved_pages += growth
+        self._prealloc[rid] = (pages, growth)
         return True
 
     def release_prealloc(self, rid: str) -> None:
         """Give back a request's preallocated pages (its KV never came, or it is admitted)."""
-        self.pool.free(self._prealloc.pop(rid, 0))
+        pages, growth = self._prealloc.pop(rid, (0, 0))
+        self.pool.free(pages)
+        self.reserved_pages -= growth
 
     def check(self, input_ids: Sequence[int], max_new_tokens: int) -> None:
         """Raises RequestRejected if a request could never run here."""
@@ -299,6 +306,7 @@ class Engine:
         admitted: list[SimRequest] = []
         new_tokens = hit_tokens = 0
         ps = self.page_size
+        skipped = False
         for req in self.waiting:
             if len(self.running) + len(admitted) >= self.config.max_running_requests:
                 break
@@ -318,9 +326,14 @@ class Engine:
                 self.pool.available_pages
                 - self.pool.unlocked_count(req.chain[:matched])
                 - self.reserved_pages
-                + self._prealloc.get(req.rid, 0)  # its own preallocated pages (PD decode) count as its
+                + sum(self._prealloc.get(req.rid, (0, 0)))  # what it preallocated (PD decode) is its own
             )
             if private_now + max(growth, 0) > capacity:
+                if req.prefilled and self._prealloc:
+                    # PD decode: requests behind it whose KV is in hold their memory already (SGLang
+                    # runs them at once); waiting for them would wait for ever
+                    skipped = True
+                    continue
                 break  # FIFO: the head waits for memory, nobody overtakes it
             self.release_prealloc(req.rid)  # they become its private pages just below
             self.pool.lock(req.chain[:matched], now)
@@ -337,8 +350,12 @@ class Engine:
             hit_tokens += cached
         if not admitted:
             return None
-        for _ in admitted:
-            self.waiting.popleft()
+        if skipped:
+            taken = set(map(id, admitted))
+            self.waiting = deque(r for r in self.waiting if id(r) not in taken)
+        else:
+            for _ in admitted:
+                self.waiting.popleft()
         duration = self.config.prefill_base_s + self.config.prefill_per_token_s * new_tokens
         return Batch(
             kind=BatchKind.PREFILL,

@@ -543,7 +543,7 @@ class SimServer:
                 return stream
             rank = self.dp.choose(pinned)  # the decode rank: pinned, else the controller's turn
             self.engines[rank].check(input_ids, max_new_tokens)
-            self.engines[rank].prealloc(rid, len(input_ids))  # SGLang's decode prealloc queue
+            self.engines[rank].prealloc(rid, len(input_ids), max_new_tokens)  # SGLang's decode prealloc queue
         except RequestRejected as exc:
             raise protocol.BadRequest(str(exc)) from exc
         except MissingBootstrap as exc:

@@ -433,19 +433,35 @@ def test_pd_decode_preallocation_holds_the_prompts_pages_until_admission_or_rele
     """SGLang's decode prealloc queue: a PD decode request's prompt KV is taken when it arrives, before
     the KV is transferred, so the pool (and KvMetrics) show it as used while it waits."""
     eng, rec, clock = make()  # 100 pages of 4 tokens
-    assert eng.prealloc("a", 10)  # 3 pages
+    assert eng.prealloc("a", 10, 3)  # 3 pages
     assert eng.stats().used_tokens == 12 and eng.stats().num_running_reqs == 0
     with pytest.raises(RequestRejected, match="already in use"):
-        eng.prealloc("a", 10)
-    assert not eng.prealloc("huge", 1000)  # more than the pool holds now: not held (taken at admission)
+        eng.prealloc("a", 10, 3)
+    assert not eng.prealloc("huge", 1000, 1)  # more than the pool holds now: not held (taken at admission)
     eng.submit("a", list(range(1, 11)), 3, clock(), prefilled=True)
     run_until_idle(eng, clock, clock.advance)
     assert eng.stats().requests_finished_total == 1 and eng.stats().used_tokens == 0  # admitted, finished, freed
     assert rec.reports[0].kv_active_blocks > 0
-    eng.prealloc("b", 8)
+    eng.prealloc("b", 8, 2)
     eng.release_prealloc("b")  # its KV never came
     assert eng.stats().used_tokens == 0
-    eng.prealloc("c", 8)
+    eng.prealloc("c", 8, 2)
     eng.submit("c", list(range(1, 9)), 2, clock(), prefilled=True)
     assert eng.abort("c", clock())  # aborted while waiting: its preallocated pages go back
     assert eng.stats().used_tokens == 0
+
+
+def test_a_pd_decode_request_whose_kv_is_in_is_not_held_behind_one_waiting_for_memory():
+    """Preallocated requests hold their memory already: a request ahead of them that waits for memory
+    must not block them (they would never free what it waits for)."""
+    eng, _, clock = make()  # 100 pages of 4 tokens
+    assert eng.prealloc("p", 200, 1)  # 50 pages held for p, whose KV is on the way
+    assert not eng.prealloc("h", 300, 1)  # 75 pages: too many now, taken at admission
+    eng.submit("h", prompt(300), 1, clock(), prefilled=True)  # h's KV came first
+    eng.submit("p", prompt(200, start=5000), 1, clock(), prefilled=True)
+    batch = eng.schedule(clock())
+    assert batch is not None and [r.rid for r in batch.reqs] == ["p"]
+    clock.advance(batch.duration)
+    eng.complete(batch, clock())
+    run_until_idle(eng, clock, clock.advance)
+    assert eng.stats().requests_finished_total == 2
