@@ -119,11 +119,12 @@ def test_transfer_time_grows_with_the_uncached_prompt():
 
 @pytest.fixture(scope="module")
 def dp_pair():
-    """A prefill and a decode sim with 2 DP ranks each (2 s simulated PD timeouts), plus a prefill sim
-    whose ranks do not follow the room (round_robin: ranks register rooms with the bootstrap server)."""
-    p = start_sim("prefill", timeout_s=2.0, extra=["--dp-size", "2"])
-    d = start_sim("decode", timeout_s=2.0, extra=["--dp-size", "2"])
-    rr = start_sim("prefill", timeout_s=2.0, extra=["--dp-size", "2", "--load-balance-method", "round_robin"])
+    """A prefill and a decode sim with 2 DP ranks each (10 s simulated PD timeouts: 1 s wall, room for
+    a loaded machine), plus a prefill sim whose ranks do not follow the room (round_robin: ranks
+    register rooms with the bootstrap server)."""
+    p = start_sim("prefill", timeout_s=10.0, extra=["--dp-size", "2"])
+    d = start_sim("decode", timeout_s=10.0, extra=["--dp-size", "2"])
+    rr = start_sim("prefill", timeout_s=10.0, extra=["--dp-size", "2", "--load-balance-method", "round_robin"])
     yield p, d, rr
     for s in (p, d, rr):
         s.stop()
