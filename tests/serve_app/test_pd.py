@@ -392,8 +392,8 @@ def test_rooms_follow_the_prefill_rank_modulo_its_dp_size():
 
 @pytest.fixture(scope="module")
 def dp_sims():
-    p = start_sim("prefill", timeout_s=4, extra=["--dp-size", "2"])
-    d = start_sim("decode", timeout_s=4, extra=["--dp-size", "2"])
+    p = start_sim("prefill", timeout_s=20, extra=["--dp-size", "2"])  # 2 s wall: room for a loaded machine
+    d = start_sim("decode", timeout_s=20, extra=["--dp-size", "2"])
     yield p, d
     p.stop()
     d.stop()
