@@ -429,7 +429,7 @@ def test_a_pd_request_with_dp_ranks_reaches_the_chosen_prefill_rank_and_decode_r
 def test_a_dead_dp_prefill_worker_makes_the_pair_retry_on_another_worker_and_rank(dp_sims):
     p, d = dp_sims
     core, clock = make_core(policy="kv_aware", max_attempts=3)
-    put_dp(core, clock, "p0", "prefill", [0, 40], url=p.url, port=p.bootstrap_port)
+    put_dp(core, clock, "p0", "prefill", [8, 40], url=p.url, port=p.bootstrap_port)  # rank 0 the less busy
     put_dp(core, clock, "p_dead", "prefill", [0, 0], url=f"http://127.0.0.1:{free_port()}", port=free_port())
     put_dp(core, clock, "d0", "decode", [0, 40], url=d.url)
     assert decide_pair(core, core.facts(chat("retry ranks " * 30)), None, None).prefill.worker == "p_dead"
