@@ -41,6 +41,9 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "kvroute_worker_kv_usage_ratio": ("gauge", "Reported KV cache use (0..1)", ("deployment", "worker")),
     "kvroute_worker_metrics_age_seconds": ("gauge", "Age of the replica's newest KvMetrics (-1: none yet)",
                                            ("deployment", "worker")),
+    "kvroute_worker_exact_blocks": ("gauge", "Blocks of the replica's prefix cache in this router's exact index "
+                                    "(exact prefix mode: from its engine's KV events; -1: its KV log not followed)",
+                                    ("deployment", "worker")),
     "kvroute_snapshot_age_seconds": ("gauge", "Time since the aggregator last answered this router",
                                      ("deployment",)),
     "kvroute_aggregator_reachable": ("gauge", "1 if this router's snapshot stream is connected", ("deployment",)),
@@ -117,6 +120,9 @@ class RouterExporter:
             m["kvroute_worker_kv_usage_ratio"].set(met.get("gpu_cache_usage_perc", 0.0), tags=t)
             m["kvroute_worker_metrics_age_seconds"].set(
                 -1.0 if rec.metrics_at is None else now - rec.metrics_at, tags=t)
+            kvf = core.kv_follower
+            m["kvroute_worker_exact_blocks"].set(
+                core.exact.blocks(rec.name) if kvf is not None and rec.name in kvf.synced else -1.0, tags=t)
             for s in _STATES:
                 m["kvroute_worker_state"].set(1.0 if rec.state == s else 0.0, tags={**t, "state": s})
         age = core.follower.snapshot_age_s()

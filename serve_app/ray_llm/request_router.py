@@ -3,6 +3,7 @@
 Name it in the deployment's `request_router_config`:
     request_router_class: serve_app.ray_llm.request_router:KvRouteRequestRouter
     request_router_kwargs: {policy: kv_aware}          # optional; any kvroute policy by name
+    request_router_kwargs: {tokenizer: sim}            # exact prefix mode (replicas with kv_events: true)
 
 Each handle (e.g. Ray Serve LLM's `OpenAiIngress`) gets one instance. It follows the aggregator's
 fleet off the request path (`FleetFollower`, as the router replica does), and ranks candidates with
@@ -10,6 +11,14 @@ the same `RouterCore` — the policy over the replicas' KvMetrics, this router's
 its prefix index. The replica registered by `server.KvrouteSGLangServer` is found by its Serve
 replica id (`names.replica_worker_name`). Ray then tries the first rank (probing queue lengths,
 skipping full replicas), then the next.
+
+Exact prefix mode (`tokenizer`: `sim` or `hf:<dir>`, kvroute's `router.tokenizer`): prompts are
+tokenized like the engine and, for every replica whose record names a KV log (`kv_events_actor`:
+`server.KvrouteSGLangServer` with `kv_events: true`, or a worker actor), a `KvFollower` long-polls
+that log into this router's exact index, off the request path as in kvroute's router replica.
+A replica whose log is not followed yet (starting, restarting, its actor unreachable) keeps the
+approximate overlap — what this router sent there — and the load terms; once followed, its overlap
+is what its engine reports caching. A log outage never errors: the follower retries with backoff.
 
 Degrades, never fails: a request without a prompt, a fleet with none of the candidates yet, an
 aggregator silent for `stale_after_s`, or no routable worker → every candidate in one rank, which
@@ -28,9 +37,10 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from actors.aggregator import get_or_create_aggregator
-from actors.models import Settings
+from actors.models import NAMESPACE, Settings
 from serve_app.config import RouterConfig
 from serve_app.follower import FleetFollower
+from serve_app.kv_follower import KvFollower
 from serve_app.policies import NoWorkerAvailable
 from serve_app.policies.base import RouteRequest
 from serve_app.ray_llm.names import ROUTING_STATS_KEY, replica_worker_name
@@ -53,12 +63,16 @@ class KvRouteRequestRouter(RequestRouter):
         settings: dict[str, Any] | None = None,
         stale_after_s: float = 5.0,
         ray_metrics: bool = True,
+        tokenizer: str | None = None,
     ) -> None:
         """`request_router_kwargs`: `policy` (any kvroute policy name), `router` (RouterConfig fields,
         e.g. `{"kv_aware": {"tolerance": 0.2}}`), `settings` (metrics-plane Settings), how long the
-        aggregator may be silent before routing falls back to load balancing, and whether to export
-        kvroute's figures through `ray.util.metrics`. Raises ValueError on a bad value."""
-        self.config = RouterConfig.model_validate({**(router or {}), "policy": policy})
+        aggregator may be silent before routing falls back to load balancing, whether to export
+        kvroute's figures through `ray.util.metrics`, and `tokenizer` (RouterConfig's: `sim` or
+        `hf:<dir>` turns on exact prefix mode; `router.block_size` must be the engines' page size).
+        Raises ValueError on a bad value."""
+        self.config = RouterConfig.model_validate({**(router or {}), "policy": policy,
+                                                   **({"tokenizer": tokenizer} if tokenizer is not None else {})})
         self.settings = Settings.model_validate(settings or {})
         self.stale_after_s = float(stale_after_s)
         self.router_id = f"serve-router-{uuid.uuid4().hex[:8]}"
@@ -69,7 +83,10 @@ class KvRouteRequestRouter(RequestRouter):
             backoff_max_s=self.settings.reconnect_backoff_max_s,
             silence_s=self.settings.follower_silence_s,
         )
-        self.core = RouterCore(self.config, self.follower, self.router_id)
+        s = self.settings
+        self.core = RouterCore(self.config, self.follower, self.router_id, kv_follower=lambda index: KvFollower(
+            index, self._resolve_actor, poll_timeout_s=s.snapshot_poll_timeout_s, backoff_s=s.reconnect_backoff_s,
+            backoff_max_s=s.reconnect_backoff_max_s))
         # internal request id → (facts with overlap, worker charged in the ledger), until routed
         self._charged: dict[str, tuple[RouteRequest, str]] = {}
         self._routed: dict[str, str] = {}  # internal request id → worker, until completed
@@ -85,6 +102,11 @@ class KvRouteRequestRouter(RequestRouter):
 
     async def _resolve_aggregator(self) -> Any:
         return await asyncio.to_thread(get_or_create_aggregator, self.settings)
+
+    async def _resolve_actor(self, name: str) -> Any:
+        import ray
+
+        return await asyncio.to_thread(ray.get_actor, name, NAMESPACE)
 
     def _ensure_started(self) -> None:
         """Start following the fleet on the router's own loop (not running yet at construction)."""
