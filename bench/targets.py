@@ -197,10 +197,12 @@ SERVE_ROUTER_TARGETS = {
                  "Serve's default request router over the same pass-through replicas as ray-prefix"),
     # needs --kv-events (the workers' actors then keep KV logs the router follows)
     "ray-kvroute-exact": (KVROUTE_REQUEST_ROUTER, "Ray Serve + kvroute RequestRouter, exact prefix mode",
-                          "ray-kvroute with `request_router_kwargs: {tokenizer: sim}`: prompts tokenized like the "
+                          "ray-kvroute with `request_router_kwargs: {tokenizer: sim, render_chat: false}`: prompts tokenized like the "
                           "engine, overlap from the engines' KV events (followed from the workers' KV logs)"),
 }
-SERVE_ROUTER_KWARGS = {"ray-kvroute-exact": {"tokenizer": "sim"}}
+# pass-through replicas forward the OpenAI body to the sim's HTTP server, which applies the chat template
+# itself (SGLang's own server path), not Ray's SGLangServer's render-then-tokenize: render_chat false
+SERVE_ROUTER_KWARGS = {"ray-kvroute-exact": {"tokenizer": "sim", "render_chat": False}}
 
 
 prefix_app = FastAPI()

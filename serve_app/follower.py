@@ -161,8 +161,6 @@ class FleetFollower:
             for gone in [n for n in fresh if n not in names]:
                 del fresh[gone]
                 changed.append(gone)
-        if fresh is not self.workers:  # a snapshot: the workers it no longer holds left the fleet too
-            changed += [n for n in self.workers if n not in fresh]
         self.workers = fresh
         self.epoch = delta.epoch
         self.version = delta.version

@@ -13,7 +13,9 @@ replica id (`names.replica_worker_name`). Ray then tries the first rank (probing
 skipping full replicas), then the next.
 
 Exact prefix mode (`tokenizer`: `sim` or `hf:<dir>`, kvroute's `router.tokenizer`): prompts are
-tokenized like the engine and, for every replica whose record names a KV log (`kv_events_actor`:
+tokenized like the engine — chat prompts as Ray Serve LLM's SGLangServer makes SGLang tokenize them
+(`chat_render.rendered_chat_ids`; `render_chat: false` for replicas that forward the OpenAI body to
+SGLang's own HTTP server, which applies the template directly) — and, for every replica whose record names a KV log (`kv_events_actor`:
 `server.KvrouteSGLangServer` with `kv_events: true`, or a worker actor), a `KvFollower` long-polls
 that log into this router's exact index, off the request path as in kvroute's router replica.
 A replica whose log is not followed yet (starting, restarting, its actor unreachable) keeps the
@@ -43,9 +45,10 @@ from serve_app.follower import FleetFollower
 from serve_app.kv_follower import KvFollower
 from serve_app.policies import NoWorkerAvailable
 from serve_app.policies.base import RouteRequest
+from serve_app.ray_llm.chat_render import rendered_chat_ids, serve_tokenizer
 from serve_app.ray_llm.names import ROUTING_STATS_KEY, replica_worker_name
 from serve_app.ray_llm.ranking import request_body, reason_label, split_ranks
-from serve_app.request_facts import InvalidRequestBody
+from serve_app.request_facts import InvalidRequestBody, facts_from_body
 from serve_app.router import RouterCore
 
 logger = logging.getLogger("kvroute.ray_llm.router")
@@ -64,16 +67,19 @@ class KvRouteRequestRouter(RequestRouter):
         stale_after_s: float = 5.0,
         ray_metrics: bool = True,
         tokenizer: str | None = None,
+        render_chat: bool = True,
     ) -> None:
         """`request_router_kwargs`: `policy` (any kvroute policy name), `router` (RouterConfig fields,
         e.g. `{"kv_aware": {"tolerance": 0.2}}`), `settings` (metrics-plane Settings), how long the
         aggregator may be silent before routing falls back to load balancing, whether to export
-        kvroute's figures through `ray.util.metrics`, and `tokenizer` (RouterConfig's: `sim` or
-        `hf:<dir>` turns on exact prefix mode; `router.block_size` must be the engines' page size).
-        Raises ValueError on a bad value."""
+        kvroute's figures through `ray.util.metrics`, `tokenizer` (RouterConfig's: `sim` or
+        `hf:<dir>` turns on exact prefix mode; `router.block_size` must be the engines' page size) and
+        `render_chat` (exact mode: chat prompts reach SGLang as Ray's SGLangServer renders them; false
+        when the replicas forward OpenAI bodies to SGLang's HTTP server). Raises ValueError on a bad value."""
         self.config = RouterConfig.model_validate({**(router or {}), "policy": policy,
                                                    **({"tokenizer": tokenizer} if tokenizer is not None else {})})
         self.settings = Settings.model_validate(settings or {})
+        self._chat_tokenizer = serve_tokenizer(self.config.tokenizer) if render_chat else None
         self.stale_after_s = float(stale_after_s)
         self.router_id = f"serve-router-{uuid.uuid4().hex[:8]}"
         self.follower = FleetFollower(
@@ -135,6 +141,15 @@ class KvRouteRequestRouter(RequestRouter):
         self._names[replica.replica_id] = name
         return name
 
+    def _facts(self, body: dict[str, Any]) -> RouteRequest:
+        """Routing facts; in exact mode a chat's token ids are those Ray's SGLangServer makes SGLang compute."""
+        if self._chat_tokenizer is not None and "messages" in body:
+            ids = rendered_chat_ids(self._chat_tokenizer, body)
+            if ids is not None:
+                return facts_from_body(body, config=self.core.facts_config, token_ids=ids)
+            self.core.tokenize_failures += 1  # the template refused it: approximate for this one
+        return self.core.facts(body)
+
     def _degraded(self) -> bool:
         age = self.follower.snapshot_age_s()
         return age is None or (not self.follower.connected and age > self.stale_after_s)
@@ -163,7 +178,7 @@ class KvRouteRequestRouter(RequestRouter):
                 self._count("no_prompt", policy, t0)
                 return [candidate_replicas]
             try:
-                facts = self.core.facts(body)
+                facts = self._facts(body)
             except (InvalidRequestBody, RecursionError) as exc:  # the replica will answer it; route anywhere
                 logger.debug("request %s: no routing facts (%s)", rid, exc)
                 self._count("no_prompt", policy, t0)

