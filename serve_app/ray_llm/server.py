@@ -55,6 +55,8 @@ class KvrouteSGLangServer(SGLangServer):
 
     def __init__(self, llm_config: Any) -> None:
         opts = options_of(llm_config)
+        if opts.kv_events:  # refused before anything starts (one publisher per engine)
+            sglang_metrics_kwargs(llm_config.engine_kwargs, {})
         app, deployment, unique_id = _replica_identity()
         self.kvroute_worker = worker_name(app, deployment, unique_id)
         endpoint = opts.metrics_endpoint or default_metrics_endpoint(unique_id)

@@ -228,3 +228,22 @@ def test_exact_index_counts_a_workers_blocks_over_its_ranks():
     assert idx.blocks("w") == 3 and idx.blocks("v") == 1 and idx.blocks("x") == 0
     idx.apply("w", [BlockRemoved((12,))], rank=0)
     assert idx.blocks("w") == 2
+
+
+def test_the_sim_engine_publishes_as_the_configured_release_and_refuses_other_publishers():
+    import zmq
+
+    from serve_app.ray_llm.sim_engine import kv_event_publisher
+
+    ctx = zmq.Context()
+    try:
+        with pytest.raises(ValueError, match="only the zmq publisher"):
+            kv_event_publisher('{"publisher": "null"}', "0.5.23", ctx)
+        old = kv_event_publisher({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:1"}, "0.5.8", ctx)
+        new = kv_event_publisher({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:1"}, "0.5.23", ctx)
+        assert (old.encoding, new.encoding) == ("array", "map")  # tagged arrays up to 0.5.18, maps from 0.5.20
+        assert not old.binds and not new.binds  # a concrete tcp address: SGLang connects
+        old.close()
+        new.close()
+    finally:
+        ctx.term()
