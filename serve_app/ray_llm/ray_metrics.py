@@ -30,6 +30,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                  "reason (prefix: the pick holds part of the prompt; load; no_metrics, "
                                  "aggregator_stale, no_prompt, no_worker: load-balanced by Serve)",
                                  ("deployment", "policy", "reason")),
+    "kvroute_router_first_tokens": ("counter", "First tokens the ingress signalled for requests this router routed "
+                                    "(their prefill charge released)", ("deployment",)),
     "kvroute_router_decision_seconds": ("histogram", "Time choose_replicas spent deciding, per request",
                                         ("deployment",)),
     "kvroute_worker_in_flight_requests": ("gauge", "Requests this router sent to the replica and not finished",
@@ -95,6 +97,9 @@ class RouterExporter:
         tags = {"deployment": self.deployment}
         self._m["kvroute_router_decisions"].inc(1, tags={**tags, "policy": policy, "reason": reason})
         self._m["kvroute_router_decision_seconds"].observe(seconds, tags=tags)
+
+    def on_first_token(self) -> None:
+        self._m["kvroute_router_first_tokens"].inc(1, tags={"deployment": self.deployment})
 
     def start(self) -> None:
         if self._task is None:

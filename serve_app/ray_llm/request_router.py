@@ -8,7 +8,9 @@ Name it in the deployment's `request_router_config`:
 Each handle (e.g. Ray Serve LLM's `OpenAiIngress`) gets one instance. It follows the aggregator's
 fleet off the request path (`FleetFollower`, as the router replica does), and ranks candidates with
 the same `RouterCore` — the policy over the replicas' KvMetrics, this router's in-flight ledger and
-its prefix index. The replica registered by `server.KvrouteSGLangServer` is found by its Serve
+its prefix index. The ingress (kvroute's `ingress.OpenAiIngress`) signals each streamed reply's first
+token (`first_token`), which releases that request's prefill charge as in the router replica. The
+replica registered by `server.KvrouteSGLangServer` is found by its Serve
 replica id (`names.replica_worker_name`). Ray then tries the first rank (probing queue lengths,
 skipping full replicas), then the next.
 
@@ -45,6 +47,7 @@ from serve_app.follower import FleetFollower
 from serve_app.kv_follower import KvFollower
 from serve_app.policies import NoWorkerAvailable
 from serve_app.policies.base import RouteRequest
+from serve_app.ray_llm import first_token
 from serve_app.ray_llm.chat_render import rendered_chat_ids, serve_tokenizer
 from serve_app.ray_llm.names import ROUTING_STATS_KEY, replica_worker_name
 from serve_app.ray_llm.ranking import request_body, reason_label, split_ranks
@@ -103,6 +106,9 @@ class KvRouteRequestRouter(RequestRouter):
 
             self.exporter = RouterExporter(self.core, self._deployment)
         self._names: dict[Any, str] = {}  # replica id → worker name, as last seen among the candidates
+        self._loop: asyncio.AbstractEventLoop | None = None  # the router's loop (Serve may run it in its own thread)
+        self.first_tokens = 0  # first-token signals from the ingress applied to the ledger
+        first_token.subscribe(self)
         self._started = False
         self.decisions: dict[str, int] = {}  # reason → count (tests and the bench read these)
 
@@ -116,6 +122,8 @@ class KvRouteRequestRouter(RequestRouter):
 
     def _ensure_started(self) -> None:
         """Start following the fleet on the router's own loop (not running yet at construction)."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
         if not self._started:
             self._started = True
             self.follower.start()
@@ -224,6 +232,19 @@ class KvRouteRequestRouter(RequestRouter):
         if len(self._routed) >= _FACTS_CAP:
             self._routed.clear()
         self._routed[rid] = worker
+
+    def on_first_token_signal(self, internal_request_id: str) -> None:
+        """`first_token.first_token` from the ingress (any thread): release the prefill charge on our loop."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._first_token, internal_request_id)
+
+    def _first_token(self, rid: str) -> None:
+        if rid in self._routed or rid in self._charged:  # one of ours (another deployment's router ignores it)
+            self.core.ledger.on_first_token(rid)
+            self.first_tokens += 1
+            if self.exporter is not None:
+                self.exporter.on_first_token()
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         # Ray calls this for every dispatched request (success, error or cancel), a dead replica's too
