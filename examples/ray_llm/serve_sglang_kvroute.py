@@ -53,6 +53,7 @@ llm_config = LLMConfig(
 
 app = build_openai_app({
     "llm_configs": [llm_config],
-    # only on FastAPI >= 0.137 (ray-project/ray#64475): Ray's OpenAiIngress with route signatures that survive
+    # Ray's OpenAiIngress with route signatures that survive FastAPI >= 0.137 (ray-project/ray#64475), and
+    # which tells kvroute's router each streamed reply's first token (its prefill charge ends there)
     "ingress_cls_config": {"ingress_cls": "serve_app.ray_llm.ingress:OpenAiIngress"},
 })
