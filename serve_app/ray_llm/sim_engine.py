@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import zmq
@@ -30,6 +30,7 @@ from sim.kv_events import KvEvent
 from sim.metrics_emitter import MetricsEmitter
 from sim.server import EngineDriver
 from sim.sglang_shapes import DEFAULT_WIRE, release_of
+
 
 class _TokenizerManager:
     def __init__(self) -> None:

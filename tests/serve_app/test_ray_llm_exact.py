@@ -22,10 +22,10 @@ from actors.models import Settings
 from actors.protocol import RankMetrics, WorkerReport
 from actors.registry import FleetRegistry
 from serve_app.prompt_tokens import SimTokenizer
+from serve_app.ray_llm.chat_render import SimChatTokenizer, rendered_chat_ids, serve_tokenizer
 from serve_app.ray_llm.engine_config import KvrouteServerOptions, sglang_metrics_kwargs
 from serve_app.ray_llm.kv_log_actor import kv_log_actor_name
 from serve_app.ray_llm.names import replica_worker_name
-from serve_app.ray_llm.chat_render import SimChatTokenizer, rendered_chat_ids, serve_tokenizer
 from serve_app.ray_llm.sim_engine import SimSGLangEngine
 from sim import tokenizer
 
