@@ -24,7 +24,7 @@ import zmq
 
 from actors.ingest import MetricsBook
 from actors.link import AggregatorLink
-from actors.metrics_pipe import drain_frames
+from actors.metrics_pipe import receive
 from actors.models import Settings
 from actors.protocol import WorkerReport
 from actors.push_window import PushWindow
@@ -138,13 +138,7 @@ class HostPipe(PushWindow):
         raw, book = slot.raw, slot.book
         if raw is None or book is None:
             return False
-        try:
-            more, fresh = drain_frames(raw, book)
-        except zmq.ZMQError:  # closed under us (removed)
-            return False
-        except Exception:  # a receive path must never die (the newest state is pushed regardless)
-            logger.exception("host %s: worker %s: receive error", self.host, slot.name)
-            more = fresh = True
+        more, fresh = receive(raw, book, f"host {self.host}: worker {slot.name}")
         if fresh:
             slot.dirty = True
             if notify:

@@ -52,6 +52,21 @@ def drain_frames(raw: zmq.Socket, book: MetricsBook) -> tuple[bool, bool]:
     return True, fresh
 
 
+def receive(raw: zmq.Socket, book: MetricsBook, what: str) -> tuple[bool, bool]:
+    """`drain_frames` for a receive callback, which must never die: a socket closed under it
+    (its worker removed) has nothing more; any other error is logged and the newest state is pushed
+    regardless. Returns (more may wait, new metrics arrived)."""
+    try:
+        return drain_frames(raw, book)
+    except zmq.ZMQError:
+        if raw.closed:
+            return False, False
+        logger.exception("%s: receive error", what)
+    except Exception:
+        logger.exception("%s: receive error", what)
+    return True, True
+
+
 class MetricsPipe(PushWindow):
     """PULL socket → `book` → coalesced `report()`s over `link`, for worker `name`.
 
@@ -105,11 +120,7 @@ class MetricsPipe(PushWindow):
     def _drain(self, notify: bool = True) -> bool:
         """Ingest what is waiting (a bounded batch); True if more may wait. `notify`: new metrics
         go to `_metrics_arrived` (not when the coalescing window's end drains them)."""
-        try:
-            more, fresh = drain_frames(self._raw, self.book)
-        except Exception:  # a receive path must never die (the newest state is pushed regardless)
-            logger.exception("worker %s: receive error", self.name)
-            more = fresh = True
+        more, fresh = receive(self._raw, self.book, self.what)
         if fresh:
             self._changed = True
             if notify:
