@@ -8,7 +8,6 @@ import errno
 import logging
 import os
 import socket
-import time
 import uuid
 from typing import Any
 
@@ -22,15 +21,19 @@ from actors.aggregator import get_or_create_aggregator
 from actors.fleet import WorkerSpec
 from actors.health import HealthProbe
 from actors.ingest import MetricsBook
-from actors.kv_events import KvEventError, SeqTracker, decode_kv_event_frame, is_replay_end, replay_reply
-from actors.kv_handshake import KvEventsPlan, SilenceWatch, plan_subscription, rank_endpoint, shows_prefill
+from actors.kv_handshake import shows_prefill
 from actors.kv_log import KvLog
+from actors.kv_subscriber import KvSubscriber, SubscribeError
 from actors.launcher import LaunchError, ManagedProcess
 from actors.link import AggregatorLink
 from actors.metrics_pipe import MetricsPipe
 from actors.models import NAMESPACE, Settings
 from actors.protocol import (
-    KvEventsCounters, KvEventsStatus, KvHandshakeSide, KvLogAnswer, RankMetrics, WorkerActorStats, WorkerReady,
+    KvEventsStatus,
+    KvLogAnswer,
+    RankMetrics,
+    WorkerActorStats,
+    WorkerReady,
     WorkerReport,
 )
 
@@ -111,18 +114,8 @@ class WorkerActor:
         # receive, coalesce and push: the same pipeline as a Serve LLM replica's collector
         self._pipe = MetricsPipe(self.name, self._sock, self.book, self._link, self.settings, self._report,
                                  wake=self._wake)
-        self.kv_log: KvLog | None = None
+        self.kv: KvSubscriber | None = None
         self._own_name: str | None = None
-        self._kv_changed = asyncio.Event()
-        self._kv_refused: dict[str, int] = {}
-        self._kv_trackers: dict[int, SeqTracker] = {}
-        self._kv_plans: list[KvEventsPlan] = []
-        self._kv_batches = 0
-        self._kv_replayed = 0
-        self._kv_watch = SilenceWatch(self.settings.kv_events_silence_s)
-        self._kv_warned = False
-        self._kv_catch_up_at = 0.0
-        self._kv_catching_up: asyncio.Task | None = None
         if self.spec.kv_events_endpoint:
             self._open_kv_subscription()  # before the engine starts: managed engines connect to us
         # one pooled client: SGLang's server keeps the connection alive, so a probe is one request
@@ -141,51 +134,30 @@ class WorkerActor:
             self.url = self.proc.url
             self._launch = loop.create_task(self._start_process())
         self._tasks = [*self._pipe.start(), loop.create_task(self._health_loop())]
-        if self.kv_log is not None:
-            self._tasks.append(loop.create_task(self._kv_loop()))
+        if self.kv is not None:
+            self._tasks.append(self.kv.start())
         logger.info("worker %s: PULL bound on %s, probing %s/health", self.name, self.endpoint, self.url)
 
     def _open_kv_subscription(self) -> None:
         """Meet SGLang's KV-event publisher: bind the SUB where SGLang connects (a concrete tcp
         address, never a wildcard), connect where SGLang binds — SGLang's own rule (kv_handshake)."""
-        self.kv_log = KvLog()
-        sock = self._ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, 16 * 1024 * 1024)
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self._kv_sock = sock
-        ranks = self.spec.kv_event_ranks
+        spec = self.spec
+        peer = spec.url.split("//", 1)[1].rsplit(":", 1)[0].strip("[]") if spec.url else None
         try:
-            if self.spec.kv_events_endpoint == "auto":  # managed: we bind a port, the engine connects to it
-                from actors.launcher import free_port
+            self.kv = KvSubscriber(self.name, self._ctx, self.settings, spec.kv_events_endpoint,
+                                   bind=spec.kv_events_bind, replay_endpoint=spec.kv_events_replay_endpoint,
+                                   ranks=spec.kv_event_ranks, host=_listen_host(spec.host) if
+                                   spec.kv_events_endpoint == "auto" else "127.0.0.1",
+                                   peer_host=peer, on_change=self._wake.set)
+        except SubscribeError as exc:
+            raise EndpointError(str(exc)) from None
+        if spec.kv_events_endpoint == "auto":  # managed: the engine connects to what we bound
+            self.spec = spec.model_copy(update={"kv_events_endpoint": self.kv.endpoint, "kv_events_bind": None,
+                                                "kv_events_replay_endpoint": self.kv.replay_endpoint})
 
-                host = _listen_host(self.spec.host)
-                base = sock.bind_to_random_port(f"tcp://{host}")
-                for r in range(1, ranks):  # rank r publishes on base + r
-                    sock.bind(f"tcp://{host}:{base + r}")
-                endpoint = f"tcp://{host}:{base}"
-                # a connecting PUB loses what it sends before our subscription reached it (libzmq applies
-                # it at the first send, so batch 0 is always lost): the engine's replay ROUTER, which
-                # SGLang always binds, gives those batches back
-                replay = self.spec.kv_events_replay_endpoint or f"tcp://{host}:{free_port(host)}"
-                self.spec = self.spec.model_copy(update={"kv_events_endpoint": endpoint, "kv_events_bind": None,
-                                                         "kv_events_replay_endpoint": replay})
-                self._kv_plans = [KvEventsPlan(r, "bind", rank_endpoint(endpoint, r), rank_endpoint(replay, r))
-                                  for r in range(ranks)]
-            else:
-                peer = self.spec.url.split("//", 1)[1].rsplit(":", 1)[0].strip("[]") if self.spec.url else None
-                self._kv_plans = plan_subscription(
-                    self.spec.kv_events_endpoint, bind=self.spec.kv_events_bind,
-                    replay_endpoint=self.spec.kv_events_replay_endpoint, ranks=ranks, peer_host=peer)
-                for plan in self._kv_plans:
-                    (sock.bind if plan.side == "bind" else sock.connect)(plan.address)
-        except zmq.ZMQError as exc:
-            sock.close(linger=0)
-            raise EndpointError(f"worker {self.name}: cannot subscribe to KV events on "
-                                f"{self.spec.kv_events_endpoint}: {exc}") from None
-        self._kv_opened_at = time.monotonic()
-        for plan in self._kv_plans:
-            logger.info("worker %s: KV events %s", self.name, plan.describe())
+    @property
+    def kv_log(self) -> KvLog | None:
+        return None if self.kv is None else self.kv.log
 
     @property
     def healthy(self) -> bool:
@@ -201,37 +173,15 @@ class WorkerActor:
 
     def _kv_info(self) -> KvEventsStatus:
         """What /workers shows about the KV-event subscription (slow-changing fields only)."""
-        return KvEventsStatus(
-            status=self._kv_watch.state,
-            handshake=[KvHandshakeSide(rank=p.rank, kvroute=p.side, address=p.address) for p in self._kv_plans],
-            batches=self._kv_batches,
-            detail=self._silence_detail() if self._kv_watch.state == "silent" else "",
-        )
-
-    def _silence_detail(self) -> str:
-        sides = {p.side for p in self._kv_plans}
-        if sides == {"bind"}:
-            cause = ("kvroute binds, so SGLang must CONNECT: its --kv-events-config endpoint must be this concrete "
-                     "address with no \"bind\": true, and not a wildcard / ipc:// form (those make SGLang bind)")
-        else:
-            cause = ("kvroute connects, so SGLang must BIND: give it tcp://*:PORT, ipc://PATH or (SGLang >= 0.5.22) "
-                     "\"bind\": true — a plain tcp://HOST:PORT makes SGLang connect, and then both sides connect")
-        return (f"no KV-event batch in {self.settings.kv_events_silence_s:.0f} s while KvMetrics show the engine "
-                f"holding KV pages; likely a bind/connect mismatch: {cause}")
+        assert self.kv is not None
+        return self.kv.info()
 
     def _watch_kv(self) -> None:
-        if self.kv_log is None:
+        if self.kv is None:
             return
-        busy = any(shows_prefill(m.kv_active_blocks, self.spec.page_size, at, self._kv_opened_at)
+        busy = any(shows_prefill(m.kv_active_blocks, self.spec.page_size, at, self.kv.opened_at)
                    for m, at in self.book.latest_with_times().values())
-        before = self._kv_watch.state
-        state = self._kv_watch.observe(time.monotonic(), self._kv_batches, busy)
-        if state != before:
-            self._wake.set()  # /workers shows it at the next push
-        if state == "silent" and not self._kv_warned:
-            self._kv_warned = True
-            logger.warning("worker %s: KV events silent (%s) — %s", self.name,
-                           "; ".join(p.describe() for p in self._kv_plans), self._silence_detail())
+        self.kv.watch(busy)
 
     # --- public methods -----------------------------------------------------------------------
 
@@ -261,25 +211,16 @@ class WorkerActor:
             healthy=self.healthy, health_detail=self.health_detail, aggregator_epoch=self._link.epoch,
             last_refusal=self.book.last_error,
             latest={r: m.model_dump() for r, m in self.book.latest().items()},
-            kv_events=None if self.kv_log is None else KvEventsCounters(
-                seq=self.kv_log.seq, blocks=self.kv_log.blocks(), refused=dict(self._kv_refused),
-                gaps=sum(t.gaps for t in self._kv_trackers.values()), replayed=self._kv_replayed,
-                endpoint=self.spec.kv_events_endpoint, subscription=self._kv_info()),
+            kv_events=None if self.kv is None else self.kv.counters(),
         )
 
     @ray.method(enable_task_events=False)  # a long poll per router replica: no task-event bookkeeping
     async def kv_since(self, epoch: str | None, seq: int, timeout_s: float = 5.0) -> KvLogAnswer | None:
         """Long poll for router replicas: KV events after their cursor (or the whole state when the
         cursor is from another epoch or too old). None if this worker publishes no KV events."""
-        if self.kv_log is None:
+        if self.kv is None:
             return None
-        if epoch == self.kv_log.epoch and seq >= self.kv_log.seq:
-            event = self._kv_changed
-            try:
-                await asyncio.wait_for(event.wait(), timeout_s)
-            except asyncio.TimeoutError:
-                pass
-        return self.kv_log.since(epoch, seq)
+        return await self.kv.since(epoch, seq, timeout_s)
 
     async def stop(self, deregister: bool = True) -> None:
         """Close the socket (linger 0), stop the loops, optionally leave the registry. ≤ 1 s."""
@@ -289,15 +230,13 @@ class WorkerActor:
         self._pipe.stop()  # no push after this
         for t in self._tasks:
             t.cancel()
-        if self._kv_catching_up is not None:
-            self._kv_catching_up.cancel()
+        if self.kv is not None:
+            await self.kv.close()
         # bounded: on Python 3.11 a wait_for racing the cancel can swallow it and keep a loop alive
         await asyncio.wait({*self._tasks}, timeout=0.5)
         if self.proc is not None:
             await self.proc.stop()
         self._sock.close(linger=0)
-        if self.kv_log is not None:
-            self._kv_sock.close(linger=0)
         path = _ipc_path(self.endpoint or "")
         if path and os.path.exists(path):
             try:
@@ -313,106 +252,6 @@ class WorkerActor:
         await self._http.aclose()
         self._ctx.term()
         logger.info("worker %s: stopped", self.name)
-
-    # --- KV events (exact prefix mode) ---------------------------------------------------------
-
-    async def _kv_loop(self) -> None:
-        assert self.kv_log is not None
-        while True:
-            try:
-                frames = await self._kv_sock.recv_multipart()
-                if is_replay_end(frames):
-                    continue
-                try:
-                    batch = decode_kv_event_frame(frames)
-                except KvEventError as exc:
-                    self._kv_refused[exc.reason] = self._kv_refused.get(exc.reason, 0) + 1
-                    continue
-                self._kv_batches += 1
-                if self._kv_watch.state != "ok":
-                    self._watch_kv()
-                tracker = self._kv_trackers.setdefault(batch.dp_rank, SeqTracker())
-                status = tracker.observe(batch.seq)
-                if status.kind == "restart":
-                    logger.warning("worker %s: KV events restarted at seq %d (rank %d): the engine restarted; "
-                                   "dropping that rank's entries", self.name, batch.seq, batch.dp_rank)
-                    self.kv_log.lose_rank(batch.dp_rank)
-                elif status.kind in ("gap", "first") and batch.seq > 0:
-                    start = status.missing_from if status.kind == "gap" else 0
-                    if not await self._replay(batch.dp_rank, start, batch.seq) and status.kind == "gap":
-                        logger.warning("worker %s: KV events lost batches %d..%d (rank %d) and no replay "
-                                       "covered them; dropping that rank's entries",
-                                       self.name, status.missing_from, status.missing_to, batch.dp_rank)
-                        self.kv_log.lose_rank(batch.dp_rank)
-                if status.apply and batch.events:
-                    self.kv_log.apply(batch.dp_rank, batch.events)
-                self._kv_changed.set()
-                self._kv_changed = asyncio.Event()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                logger.exception("worker %s: KV event loop error", self.name)
-                await asyncio.sleep(0.01)
-
-    async def _catch_up(self) -> None:
-        """The engine shows prefills but no batch arrived: ask each rank's replay ROUTER from seq 0.
-        Recovers batches a connecting PUB dropped before our subscription reached it (with nothing
-        live after them to reveal the gap); if the replay is empty too, the watch stays `silent`."""
-        if self._kv_batches or self._kv_watch.busy_since is None or time.monotonic() < self._kv_catch_up_at:
-            return
-        self._kv_catch_up_at = time.monotonic() + max(1.0, self.settings.kv_events_silence_s / 2)
-        for plan in self._kv_plans:
-            if plan.replay is not None and plan.rank not in self._kv_trackers:
-                await self._replay(plan.rank, 0, None)
-        self._watch_kv()
-
-    async def _replay(self, rank: int, start: int, stop: int | None) -> bool:
-        """Ask the rank's replay ROUTER for batches `start`..`stop - 1` (None: all it holds) and apply
-        them in order. True only if every one of them arrived (the engine's buffer still held them)."""
-        assert self.kv_log is not None
-        plan = next((p for p in self._kv_plans if p.rank == rank), None)
-        if plan is None or plan.replay is None:
-            return False
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.MAXMSGSIZE, 16 * 1024 * 1024)
-        got: dict[int, Any] = {}
-        try:
-            dealer.connect(plan.replay)
-            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
-            deadline = time.monotonic() + self.settings.kv_events_replay_timeout_s
-            while (left := deadline - time.monotonic()) > 0:
-                if not await dealer.poll(left * 1000):
-                    break
-                try:
-                    frames = replay_reply(await dealer.recv_multipart())
-                    if frames is None:
-                        break
-                    b = decode_kv_event_frame(frames)
-                except KvEventError as exc:
-                    self._kv_refused[exc.reason] = self._kv_refused.get(exc.reason, 0) + 1
-                    continue
-                if start <= b.seq and (stop is None or b.seq < stop):
-                    got[b.seq] = b
-        finally:
-            dealer.close(linger=0)
-        for seq in sorted(got):
-            if got[seq].events:
-                self.kv_log.apply(rank, got[seq].events)
-        self._kv_replayed += len(got)
-        if stop is None:  # caught up from nothing: the live stream continues after the newest one
-            if got:
-                self._kv_trackers.setdefault(rank, SeqTracker()).observe(max(got))
-                self._kv_batches += len(got)
-                self._kv_changed.set()
-                self._kv_changed = asyncio.Event()
-            complete, stop = bool(got), (max(got) + 1 if got else start)
-        else:
-            complete = len(got) == stop - start
-        if got:
-            logger.info("worker %s: KV events replayed %d of batches %d..%d (rank %d)",
-                        self.name, len(got), start, stop - 1, rank)
-        return complete
 
     # --- push ---------------------------------------------------------------------------------
 
@@ -456,9 +295,7 @@ class WorkerActor:
         while True:
             try:
                 await self._probe()
-                self._watch_kv()
-                if self._kv_catching_up is None or self._kv_catching_up.done():
-                    self._kv_catching_up = asyncio.get_running_loop().create_task(self._catch_up())
+                self._watch_kv()  # and, while the engine shows prefills but no batch came, a replay
             except asyncio.CancelledError:
                 raise
             except Exception:

@@ -195,7 +195,14 @@ SERVE_ROUTER_TARGETS = {
                     "index) ranking the same pass-through replicas as ray-prefix, behind the same ingress"),
     "ray-pow2": (None, "Ray Serve power of two (default router)",
                  "Serve's default request router over the same pass-through replicas as ray-prefix"),
+    # needs --kv-events (the workers' actors then keep KV logs the router follows)
+    "ray-kvroute-exact": (KVROUTE_REQUEST_ROUTER, "Ray Serve + kvroute RequestRouter, exact prefix mode",
+                          "ray-kvroute with `request_router_kwargs: {tokenizer: sim, render_chat: false}`: prompts tokenized like the "
+                          "engine, overlap from the engines' KV events (followed from the workers' KV logs)"),
 }
+# pass-through replicas forward the OpenAI body to the sim's HTTP server, which applies the chat template
+# itself (SGLang's own server path), not Ray's SGLangServer's render-then-tokenize: render_chat false
+SERVE_ROUTER_KWARGS = {"ray-kvroute-exact": {"tokenizer": "sim", "render_chat": False}}
 
 
 prefix_app = FastAPI()
@@ -394,9 +401,16 @@ class BenchFleet:
         for name, (router_cls, label, notes) in SERVE_ROUTER_TARGETS.items():
             if want is None or not on(name):  # only when named (--targets): the suites' runs stay as they are
                 continue
+            kwargs = SERVE_ROUTER_KWARGS.get(name)
+            if kwargs and not self.kv_events:
+                self.progress(f"{name}: needs --kv-events (engines publishing KV events); left out")
+                continue
             claim = os.path.join(self.tmpdir, f"claims-{name}")
             os.makedirs(claim, exist_ok=True)
-            rrc = {"request_routing_stats_period_s": 1.0, **({"request_router_class": router_cls} if router_cls else {})}
+            if kwargs:  # the router's blocks are the engines' pages
+                kwargs = {**kwargs, "router": {"block_size": int(self.engine_args.get("page_size", 16))}}
+            rrc = {"request_routing_stats_period_s": 1.0, **({"request_router_class": router_cls} if router_cls else {}),
+                   **({"request_router_kwargs": kwargs} if kwargs else {})}
             engine = NamedSimEngine.options(num_replicas=len(urls), request_router_config=RequestRouterConfig(**rrc)
                                             ).bind(self.worker_urls, claim, self._batching_s())
             serve.run(PrefixIngress.bind(engine), name=name, route_prefix=f"/{name}", blocking=False)

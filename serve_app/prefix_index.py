@@ -386,6 +386,10 @@ class KvEventIndex:
     def remove_worker(self, worker: str) -> None:
         self.clear(worker)
 
+    def blocks(self, worker: str) -> int:
+        """Engine blocks of `worker` (all its ranks) held in the index — what its KV events said it caches."""
+        return sum(len(src) for (w, _), src in self._sources.items() if w == worker)
+
     def overlap(self, block_hashes: Sequence[int]) -> Overlap:
         """Per worker, how many leading blocks of this prompt it caches (workers with none absent)."""
         get = self._holders.get

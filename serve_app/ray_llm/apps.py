@@ -31,14 +31,16 @@ def llm_config(model_id: str, *, server_cls: str = SERVER_CLASS, router: str = "
 
 def sim_llm_config(model_id: str = "sim-model", *, num_replicas: int = 2, router: str = "kvroute",
                    router_kwargs: dict[str, Any] | None = None, max_ongoing_requests: int = 256,
-                   engine: dict[str, Any] | None = None) -> Any:
-    """`llm_config` over `SimSGLangServer`: `num_replicas` simulated SGLang engines (page 16 unless set)."""
+                   engine: dict[str, Any] | None = None, kv_events: bool = False) -> Any:
+    """`llm_config` over `SimSGLangServer`: `num_replicas` simulated SGLang engines (page 16 unless set);
+    `kv_events`: the engines publish KV events to their replicas' KV logs (exact prefix mode — give
+    the router `{"tokenizer": "sim"}` too)."""
     return llm_config(
         model_id, server_cls=SIM_SERVER_CLASS, router=router, router_kwargs=router_kwargs,
         engine_kwargs={"page_size": 16, **(engine or {})},
         deployment_config={"num_replicas": num_replicas, "max_ongoing_requests": max_ongoing_requests,
                            "ray_actor_options": {"num_cpus": 0}},
-        log_engine_metrics=False)
+        log_engine_metrics=False, **({"experimental_configs": {"kvroute": {"kv_events": True}}} if kv_events else {}))
 
 
 INGRESS_CLASS = "serve_app.ray_llm.ingress:OpenAiIngress"

@@ -8,7 +8,10 @@ replica: liveness is its heartbeat (a crashed replica is `down` after `Settings.
 `stop()` deregisters it on a graceful stop. Receive, ingest, coalescing and the push with its
 heartbeat are the worker actor's own pipeline (`actors.metrics_pipe.MetricsPipe` over `bind_pull`'s
 PULL, a `MetricsBook` and an `AggregatorLink`); what is the collector's own is the replica's
-registration: its worker name, its `serve://` url and the engine's health in each report.
+registration: its worker name, its `serve://` url and the engine's health in each report — and, in
+exact prefix mode, the name of the replica's KV-log actor (`kv_log_actor`) with that subscription's
+status, which it refreshes once per heartbeat from the actor (`watch`, carrying the KvMetrics
+evidence the actor's silence watch needs).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import asyncio
 import logging
 import os
 import tempfile
+import time
 import uuid
 from typing import Any, Callable
 
@@ -25,10 +29,11 @@ import zmq.asyncio
 
 from actors.aggregator import get_or_create_aggregator
 from actors.ingest import MetricsBook
+from actors.kv_handshake import shows_prefill
 from actors.link import AggregatorLink
 from actors.metrics_pipe import MetricsPipe
 from actors.models import Settings
-from actors.protocol import RankMetrics, WorkerReport
+from actors.protocol import KvEventsStatus, RankMetrics, WorkerReport
 from actors.worker_actor import bind_pull
 
 logger = logging.getLogger("kvroute.ray_llm.collector")
@@ -55,6 +60,8 @@ class ReplicaCollector:
         url: str = "",
         health: Callable[[], tuple[bool, str]] = lambda: (True, "ok"),
     ) -> None:
+        """Binds `endpoint` at once (SGLang's scheduler connects as it starts); `follow_kv_log` names
+        the replica's KV-log actor later, once it is up."""
         self.name = name
         self.endpoint = endpoint
         self.settings = settings or Settings()
@@ -69,15 +76,46 @@ class ReplicaCollector:
         self._link = AggregatorLink(self._resolve, ctx=self._ctx, hwm=s.max_pending_pushes,
                                     backoff_s=s.reconnect_backoff_s, backoff_max_s=s.reconnect_backoff_max_s)
         self._stopped = False
-        self._pipe = MetricsPipe(name, self._sock, self.book, self._link, s, self.report)
+        self._wake = asyncio.Event()
+        self._pipe = MetricsPipe(name, self._sock, self.book, self._link, s, self.report, wake=self._wake)
         self._tasks = self._pipe.start()
+        self.kv_events_actor: str | None = None
+        self.kv_events: KvEventsStatus | None = None
+        self.kv_watch_errors = 0
         logger.info("worker %s: PULL bound on %s (in-replica collector)", name, endpoint)
+
+    def follow_kv_log(self, actor_name: str, handle: Any) -> None:
+        """Exact prefix mode: report `actor_name` as this worker's `kv_events_actor` (routers follow its
+        `kv_since`) and poll its subscription status once per heartbeat."""
+        self.kv_events_actor = actor_name
+        self.kv_events = KvEventsStatus(status="waiting", handshake=[], batches=0)
+        self._tasks.append(asyncio.get_running_loop().create_task(self._watch_kv(handle, time.monotonic())))
+        self._wake.set()
+
+    async def _watch_kv(self, handle: Any, opened_at: float) -> None:
+        while True:
+            busy = any(shows_prefill(m.kv_active_blocks, self.page_size, at, opened_at)
+                       for m, at in self.book.latest_with_times().values())
+            try:
+                status = await asyncio.wait_for(handle.watch.remote(busy), timeout=5.0)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the actor died with (or before) the replica: routers notice too
+                self.kv_watch_errors += 1
+                logger.debug("worker %s: KV-log actor status failed: %s", self.name, exc)
+            else:
+                if self.kv_events is None or status.status != self.kv_events.status:
+                    self._wake.set()
+                self.kv_events = status
+            await asyncio.sleep(self.settings.health_interval_s)
 
     async def _resolve(self) -> Any:
         return await asyncio.to_thread(get_or_create_aggregator, self.settings)
 
     def stats(self) -> dict[str, Any]:
         return {"name": self.name, "endpoint": self.endpoint, **self.book.stats.as_dict(),
+                "kv_events_actor": self.kv_events_actor,
+                "kv_events": None if self.kv_events is None else self.kv_events.status,
                 "pushes": self._link.sent, "pushes_dropped": self._link.dropped,
                 "latest": {r: m.model_dump() for r, m in self.book.latest().items()}}
 
@@ -85,7 +123,8 @@ class ReplicaCollector:
         healthy, detail = self._health()
         ranks = [RankMetrics(**d) for d in self.book.ranks_report(self.page_size).values()]
         return WorkerReport(name=self.name, url=self.url, page_size=self.page_size, incarnation=self.incarnation,
-                            healthy=healthy, health_detail=detail, ranks=ranks)
+                            healthy=healthy, health_detail=detail, ranks=ranks,
+                            kv_events_actor=self.kv_events_actor, kv_events=self.kv_events)
 
     async def stop(self) -> None:
         """Stop the loops, leave the aggregator's fleet (best effort), close the socket."""

@@ -30,6 +30,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                  "reason (prefix: the pick holds part of the prompt; load; no_metrics, "
                                  "aggregator_stale, no_prompt, no_worker: load-balanced by Serve)",
                                  ("deployment", "policy", "reason")),
+    "kvroute_router_first_tokens": ("counter", "First tokens the ingress signalled for requests this router routed "
+                                    "(their prefill charge released)", ("deployment",)),
     "kvroute_router_decision_seconds": ("histogram", "Time choose_replicas spent deciding, per request",
                                         ("deployment",)),
     "kvroute_worker_in_flight_requests": ("gauge", "Requests this router sent to the replica and not finished",
@@ -41,6 +43,9 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "kvroute_worker_kv_usage_ratio": ("gauge", "Reported KV cache use (0..1)", ("deployment", "worker")),
     "kvroute_worker_metrics_age_seconds": ("gauge", "Age of the replica's newest KvMetrics (-1: none yet)",
                                            ("deployment", "worker")),
+    "kvroute_worker_exact_blocks": ("gauge", "Blocks of the replica's prefix cache in this router's exact index "
+                                    "(exact prefix mode: from its engine's KV events; -1: its KV log not followed)",
+                                    ("deployment", "worker")),
     "kvroute_snapshot_age_seconds": ("gauge", "Time since the aggregator last answered this router",
                                      ("deployment",)),
     "kvroute_aggregator_reachable": ("gauge", "1 if this router's snapshot stream is connected", ("deployment",)),
@@ -93,6 +98,9 @@ class RouterExporter:
         self._m["kvroute_router_decisions"].inc(1, tags={**tags, "policy": policy, "reason": reason})
         self._m["kvroute_router_decision_seconds"].observe(seconds, tags=tags)
 
+    def on_first_token(self) -> None:
+        self._m["kvroute_router_first_tokens"].inc(1, tags={"deployment": self.deployment})
+
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
@@ -117,6 +125,9 @@ class RouterExporter:
             m["kvroute_worker_kv_usage_ratio"].set(met.get("gpu_cache_usage_perc", 0.0), tags=t)
             m["kvroute_worker_metrics_age_seconds"].set(
                 -1.0 if rec.metrics_at is None else now - rec.metrics_at, tags=t)
+            kvf = core.kv_follower
+            m["kvroute_worker_exact_blocks"].set(
+                core.exact.blocks(rec.name) if kvf is not None and rec.name in kvf.synced else -1.0, tags=t)
             for s in _STATES:
                 m["kvroute_worker_state"].set(1.0 if rec.state == s else 0.0, tags={**t, "state": s})
         age = core.follower.snapshot_age_s()

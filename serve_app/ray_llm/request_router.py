@@ -3,13 +3,26 @@
 Name it in the deployment's `request_router_config`:
     request_router_class: serve_app.ray_llm.request_router:KvRouteRequestRouter
     request_router_kwargs: {policy: kv_aware}          # optional; any kvroute policy by name
+    request_router_kwargs: {tokenizer: sim}            # exact prefix mode (replicas with kv_events: true)
 
 Each handle (e.g. Ray Serve LLM's `OpenAiIngress`) gets one instance. It follows the aggregator's
 fleet off the request path (`FleetFollower`, as the router replica does), and ranks candidates with
 the same `RouterCore` — the policy over the replicas' KvMetrics, this router's in-flight ledger and
-its prefix index. The replica registered by `server.KvrouteSGLangServer` is found by its Serve
+its prefix index. The ingress (kvroute's `ingress.OpenAiIngress`) signals each streamed reply's first
+token (`first_token`), which releases that request's prefill charge as in the router replica. The
+replica registered by `server.KvrouteSGLangServer` is found by its Serve
 replica id (`names.replica_worker_name`). Ray then tries the first rank (probing queue lengths,
 skipping full replicas), then the next.
+
+Exact prefix mode (`tokenizer`: `sim` or `hf:<dir>`, kvroute's `router.tokenizer`): prompts are
+tokenized like the engine — chat prompts as Ray Serve LLM's SGLangServer makes SGLang tokenize them
+(`chat_render.rendered_chat_ids`; `render_chat: false` for replicas that forward the OpenAI body to
+SGLang's own HTTP server, which applies the template directly) — and, for every replica whose record names a KV log (`kv_events_actor`:
+`server.KvrouteSGLangServer` with `kv_events: true`, or a worker actor), a `KvFollower` long-polls
+that log into this router's exact index, off the request path as in kvroute's router replica.
+A replica whose log is not followed yet (starting, restarting, its actor unreachable) keeps the
+approximate overlap — what this router sent there — and the load terms; once followed, its overlap
+is what its engine reports caching. A log outage never errors: the follower retries with backoff.
 
 Degrades, never fails: a request without a prompt, a fleet with none of the candidates yet, an
 aggregator silent for `stale_after_s`, or no routable worker → every candidate in one rank, which
@@ -28,14 +41,17 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from actors.aggregator import get_or_create_aggregator
-from actors.models import Settings
+from actors.models import NAMESPACE, Settings
 from serve_app.config import RouterConfig
 from serve_app.follower import FleetFollower
+from serve_app.kv_follower import KvFollower
 from serve_app.policies import NoWorkerAvailable
 from serve_app.policies.base import RouteRequest
+from serve_app.ray_llm import first_token
+from serve_app.ray_llm.chat_render import rendered_chat_ids, serve_tokenizer
 from serve_app.ray_llm.names import ROUTING_STATS_KEY, replica_worker_name
 from serve_app.ray_llm.ranking import request_body, reason_label, split_ranks
-from serve_app.request_facts import InvalidRequestBody
+from serve_app.request_facts import InvalidRequestBody, facts_from_body
 from serve_app.router import RouterCore
 
 logger = logging.getLogger("kvroute.ray_llm.router")
@@ -53,13 +69,20 @@ class KvRouteRequestRouter(RequestRouter):
         settings: dict[str, Any] | None = None,
         stale_after_s: float = 5.0,
         ray_metrics: bool = True,
+        tokenizer: str | None = None,
+        render_chat: bool = True,
     ) -> None:
         """`request_router_kwargs`: `policy` (any kvroute policy name), `router` (RouterConfig fields,
         e.g. `{"kv_aware": {"tolerance": 0.2}}`), `settings` (metrics-plane Settings), how long the
-        aggregator may be silent before routing falls back to load balancing, and whether to export
-        kvroute's figures through `ray.util.metrics`. Raises ValueError on a bad value."""
-        self.config = RouterConfig.model_validate({**(router or {}), "policy": policy})
+        aggregator may be silent before routing falls back to load balancing, whether to export
+        kvroute's figures through `ray.util.metrics`, `tokenizer` (RouterConfig's: `sim` or
+        `hf:<dir>` turns on exact prefix mode; `router.block_size` must be the engines' page size) and
+        `render_chat` (exact mode: chat prompts reach SGLang as Ray's SGLangServer renders them; false
+        when the replicas forward OpenAI bodies to SGLang's HTTP server). Raises ValueError on a bad value."""
+        self.config = RouterConfig.model_validate({**(router or {}), "policy": policy,
+                                                   **({"tokenizer": tokenizer} if tokenizer is not None else {})})
         self.settings = Settings.model_validate(settings or {})
+        self._chat_tokenizer = serve_tokenizer(self.config.tokenizer) if render_chat else None
         self.stale_after_s = float(stale_after_s)
         self.router_id = f"serve-router-{uuid.uuid4().hex[:8]}"
         self.follower = FleetFollower(
@@ -69,7 +92,10 @@ class KvRouteRequestRouter(RequestRouter):
             backoff_max_s=self.settings.reconnect_backoff_max_s,
             silence_s=self.settings.follower_silence_s,
         )
-        self.core = RouterCore(self.config, self.follower, self.router_id)
+        s = self.settings
+        self.core = RouterCore(self.config, self.follower, self.router_id, kv_follower=lambda index: KvFollower(
+            index, self._resolve_actor, poll_timeout_s=s.snapshot_poll_timeout_s, backoff_s=s.reconnect_backoff_s,
+            backoff_max_s=s.reconnect_backoff_max_s))
         # internal request id → (facts with overlap, worker charged in the ledger), until routed
         self._charged: dict[str, tuple[RouteRequest, str]] = {}
         self._routed: dict[str, str] = {}  # internal request id → worker, until completed
@@ -80,14 +106,24 @@ class KvRouteRequestRouter(RequestRouter):
 
             self.exporter = RouterExporter(self.core, self._deployment)
         self._names: dict[Any, str] = {}  # replica id → worker name, as last seen among the candidates
+        self._loop: asyncio.AbstractEventLoop | None = None  # the router's loop (Serve may run it in its own thread)
+        self.first_tokens = 0  # first-token signals from the ingress applied to the ledger
+        first_token.subscribe(self)
         self._started = False
         self.decisions: dict[str, int] = {}  # reason → count (tests and the bench read these)
 
     async def _resolve_aggregator(self) -> Any:
         return await asyncio.to_thread(get_or_create_aggregator, self.settings)
 
+    async def _resolve_actor(self, name: str) -> Any:
+        import ray
+
+        return await asyncio.to_thread(ray.get_actor, name, NAMESPACE)
+
     def _ensure_started(self) -> None:
         """Start following the fleet on the router's own loop (not running yet at construction)."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
         if not self._started:
             self._started = True
             self.follower.start()
@@ -112,6 +148,15 @@ class KvRouteRequestRouter(RequestRouter):
             name = replica_worker_name(replica.replica_id)
         self._names[replica.replica_id] = name
         return name
+
+    def _facts(self, body: dict[str, Any]) -> RouteRequest:
+        """Routing facts; in exact mode a chat's token ids are those Ray's SGLangServer makes SGLang compute."""
+        if self._chat_tokenizer is not None and "messages" in body:
+            ids = rendered_chat_ids(self._chat_tokenizer, body)
+            if ids is not None:
+                return facts_from_body(body, config=self.core.facts_config, token_ids=ids)
+            self.core.tokenize_failures += 1  # the template refused it: approximate for this one
+        return self.core.facts(body)
 
     def _degraded(self) -> bool:
         age = self.follower.snapshot_age_s()
@@ -141,7 +186,7 @@ class KvRouteRequestRouter(RequestRouter):
                 self._count("no_prompt", policy, t0)
                 return [candidate_replicas]
             try:
-                facts = self.core.facts(body)
+                facts = self._facts(body)
             except (InvalidRequestBody, RecursionError) as exc:  # the replica will answer it; route anywhere
                 logger.debug("request %s: no routing facts (%s)", rid, exc)
                 self._count("no_prompt", policy, t0)
@@ -187,6 +232,19 @@ class KvRouteRequestRouter(RequestRouter):
         if len(self._routed) >= _FACTS_CAP:
             self._routed.clear()
         self._routed[rid] = worker
+
+    def on_first_token_signal(self, internal_request_id: str) -> None:
+        """`first_token.first_token` from the ingress (any thread): release the prefill charge on our loop."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._first_token, internal_request_id)
+
+    def _first_token(self, rid: str) -> None:
+        if rid in self._routed or rid in self._charged:  # one of ours (another deployment's router ignores it)
+            self.core.ledger.on_first_token(rid)
+            self.first_tokens += 1
+            if self.exporter is not None:
+                self.exporter.on_first_token()
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         # Ray calls this for every dispatched request (success, error or cancel), a dead replica's too

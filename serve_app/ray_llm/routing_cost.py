@@ -86,15 +86,21 @@ async def _run(ns: argparse.Namespace) -> dict[str, dict[str, float]]:
     prefix = PrefixCacheAffinityRouter(**common)
     prefix.initialize_state(tree_actor=PrefixTreeActor.options(name=f"cost-tree-{uuid.uuid4().hex[:6]}").remote())
     routers = {"kvroute KvRouteRequestRouter (kv_aware)": kv, "Ray PrefixCacheAffinityRouter": prefix}
+    if ns.tokenizer != "none":  # exact mode's extra per-request work: the chat rendered and tokenized like the engine
+        exact = KvRouteRequestRouter(**common)
+        exact.initialize_state(policy="kv_aware", ray_metrics=False, tokenizer=ns.tokenizer)
+        routers = {**routers, f"kvroute KvRouteRequestRouter (kv_aware, tokenizer {ns.tokenizer})": exact}
     for r in routers.values():
         r._update_running_replicas(infos)
         for info in infos:
             r.on_new_queue_len_info(info.replica_id, 0)
     deadline = time.monotonic() + 30
-    while len(kv.follower.workers) < ns.replicas and time.monotonic() < deadline:
+    kvs = [r for r in routers.values() if isinstance(r, KvRouteRequestRouter)]
+    while any(len(r.follower.workers) < ns.replicas for r in kvs) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    if len(kv.follower.workers) < ns.replicas:
-        raise RuntimeError(f"kvroute's router sees {len(kv.follower.workers)} of {ns.replicas} replicas after 30 s")
+    for r in kvs:
+        if len(r.follower.workers) < ns.replicas:
+            raise RuntimeError(f"kvroute's router sees {len(r.follower.workers)} of {ns.replicas} replicas after 30 s")
 
     systems = [f"System prompt {p}: " + " ".join(f"rule {p}.{k} applies" for k in range(200)) for p in range(ns.prefixes)]
     results: dict[str, dict[str, float]] = {}
@@ -120,7 +126,8 @@ async def _run(ns: argparse.Namespace) -> dict[str, dict[str, float]]:
         results[label] = {"p50_us": _percentile(times, 0.5) * 1e6, "p99_us": _percentile(times, 0.99) * 1e6,
                           "mean_us": statistics.fmean(times) * 1e6, "replicas_used": len(picks)}
     link.close()
-    await kv.follower.stop()
+    for r in kvs:
+        await r.follower.stop()
     return results
 
 
@@ -130,6 +137,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--prefixes", type=int, default=8)
+    ap.add_argument("--tokenizer", default="none",
+                    help="also time kvroute in exact prefix mode with this tokenizer (sim | hf:<dir>): the "
+                         "per-request cost of rendering and tokenizing the chat like the engine")
     ns = ap.parse_args()
     import ray
 

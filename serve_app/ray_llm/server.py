@@ -7,7 +7,10 @@ in the replica process, where `Engine._launch_subprocesses` calls it), turn on w
 send KvMetrics (`enable_metrics`, and a `kv_events_config`: SGLang ≥ 0.5.3 sends KvMetrics only
 with one), and register the replica with kvroute's metrics plane under its Serve replica id
 (`names.replica_worker_name`) through an in-replica collector (`collector.ReplicaCollector`), which
-leaves the fleet when the replica stops.
+leaves the fleet when the replica stops. With `kv_events: true` (exact prefix mode) it also starts
+the replica's KV-log actor (`kv_log_actor.ReplicaKvLog`, on this node, owned by the replica), points
+the engine's `kv_events_config` at the loopback port that actor bound, and names the actor in the
+replica's worker record, so request routers follow what the engine really caches.
 
 `SimSGLangServer` is the same class with the engine swapped for kvroute's simulator
 (`sim_engine.SimSGLangEngine`): everything above the engine is Ray's code, no GPU needed.
@@ -19,43 +22,20 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import logging
 import time
 from typing import Any, AsyncGenerator
 
-from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.llm._internal.serve.engines.sglang.sglang_engine import SGLangServer
 
 from actors.models import Settings
 from serve_app.ray_llm.collector import ReplicaCollector, default_metrics_endpoint
+from serve_app.ray_llm.engine_config import KvrouteServerOptions, options_of, sglang_metrics_kwargs
 from serve_app.ray_llm.names import ROUTING_STATS_KEY, worker_name
 from serve_app.ray_llm.ray_metrics import ReplicaExporter
 
 logger = logging.getLogger("kvroute.ray_llm.server")
-
-OPTIONS_KEY = "kvroute"
-
-
-class KvrouteServerOptions(BaseModel):
-    """`LLMConfig.experimental_configs["kvroute"]`: how a replica joins kvroute's metrics plane."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    metrics_endpoint: str | None = Field(
-        None, description="ipc:// address the replica binds for its scheduler's KvMetrics (default: a per-replica "
-        "path in the node's temp dir)")
-    settings: dict[str, Any] = Field(default_factory=dict, description="metrics-plane Settings overrides")
-
-
-def _options(llm_config: Any) -> KvrouteServerOptions:
-    raw = (getattr(llm_config, "experimental_configs", None) or {}).get(OPTIONS_KEY, {})
-    try:
-        return KvrouteServerOptions.model_validate(raw)
-    except Exception as exc:
-        raise ValueError(f"LLMConfig.experimental_configs[{OPTIONS_KEY!r}]: {exc}") from None
-
 
 def _replica_identity() -> tuple[str, str, str]:
     """(app, deployment, unique id) of the running Serve replica. Raises outside a replica."""
@@ -70,24 +50,13 @@ def patch_port_args(endpoint: str) -> None:
     _patch_port_args(endpoint)
 
 
-def sglang_metrics_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """`engine_kwargs` plus what SGLang needs to send KvMetrics, keeping what the user set."""
-    out = dict(engine_kwargs)
-    out.setdefault("enable_metrics", True)
-    if out.get("kv_events_config") is None:
-        from actors.launcher import free_port
-
-        # no subscriber: SGLang's PUB connects to a free port nobody listens on (as for managed engines)
-        out["kv_events_config"] = json.dumps(
-            {"publisher": "zmq", "topic": "kv-events", "endpoint": f"tcp://127.0.0.1:{free_port('127.0.0.1')}"})
-    return out
-
-
 class KvrouteSGLangServer(SGLangServer):
     """`SGLangServer` + kvroute's metrics plane (see the module docstring)."""
 
     def __init__(self, llm_config: Any) -> None:
-        opts = _options(llm_config)
+        opts = options_of(llm_config)
+        if opts.kv_events:  # refused before anything starts (one publisher per engine)
+            sglang_metrics_kwargs(llm_config.engine_kwargs, {})
         app, deployment, unique_id = _replica_identity()
         self.kvroute_worker = worker_name(app, deployment, unique_id)
         endpoint = opts.metrics_endpoint or default_metrics_endpoint(unique_id)
@@ -96,10 +65,12 @@ class KvrouteSGLangServer(SGLangServer):
         self._kvroute_collector = ReplicaCollector(
             self.kvroute_worker, endpoint, settings=Settings.model_validate(opts.settings), page_size=page_size,
             health=self._kvroute_health, url=f"serve://{app}/{deployment}/{unique_id}")  # no HTTP: names the replica
+        self._kvroute_kv_log: Any = None
         try:
-            self._start_engine(llm_config, endpoint)
+            kv_cfg = self._start_kv_log(opts, llm_config) if opts.kv_events else None
+            self._start_engine(llm_config, endpoint, kv_cfg)
         except BaseException:
-            asyncio.get_running_loop().create_task(self._kvroute_collector.stop())
+            asyncio.get_running_loop().create_task(self._kvroute_stop())
             raise
         self._kvroute_metrics = ReplicaExporter(self.kvroute_worker)
         self._kvroute_export = asyncio.get_running_loop().create_task(self._export_loop())
@@ -130,10 +101,24 @@ class KvrouteSGLangServer(SGLangServer):
         async for item in self._timed(super().completions(request, raw_request_info), bool(request.stream)):
             yield item
 
-    def _start_engine(self, llm_config: Any, endpoint: str) -> None:
-        """Start the engine whose scheduler sends KvMetrics to `endpoint` (sets `self.engine`)."""
+    def _start_kv_log(self, opts: KvrouteServerOptions, llm_config: Any) -> dict[str, Any]:
+        """Exact mode: start the replica's KV-log actor and return the engine's `kv_events_config`."""
+        import ray
+
+        from serve_app.ray_llm.kv_log_actor import kv_log_actor_name, start_kv_log_actor
+
+        ranks = int(llm_config.engine_kwargs.get("dp_size") or 1)
+        self._kvroute_kv_log = start_kv_log_actor(self.kvroute_worker, Settings.model_validate(opts.settings), ranks)
+        # blocking like the engine start below (SGLangServer.__init__ is synchronous): a few seconds, once
+        cfg = ray.get(self._kvroute_kv_log.kv_events_config.remote(), timeout=120)
+        self._kvroute_collector.follow_kv_log(kv_log_actor_name(self.kvroute_worker), self._kvroute_kv_log)
+        return cfg
+
+    def _start_engine(self, llm_config: Any, endpoint: str, kv_events_config: dict[str, Any] | None) -> None:
+        """Start the engine whose scheduler sends KvMetrics to `endpoint` and (exact mode) KV events
+        as `kv_events_config` says (sets `self.engine`)."""
         patch_port_args(endpoint)
-        llm_config.engine_kwargs = sglang_metrics_kwargs(llm_config.engine_kwargs)
+        llm_config.engine_kwargs = sglang_metrics_kwargs(llm_config.engine_kwargs, kv_events_config)
         SGLangServer.__init__(self, llm_config)
 
     def _kvroute_health(self) -> tuple[bool, str]:
@@ -152,16 +137,25 @@ class KvrouteSGLangServer(SGLangServer):
         task = getattr(self, "_kvroute_export", None)
         if task is not None:
             task.cancel()
+        await self._kvroute_stop()
+
+    async def _kvroute_stop(self) -> None:
         collector = getattr(self, "_kvroute_collector", None)
         if collector is not None:
             await collector.stop()
+        kv_log = getattr(self, "_kvroute_kv_log", None)
+        if kv_log is not None:
+            from serve_app.ray_llm.kv_log_actor import stop_kv_log_actor
+
+            self._kvroute_kv_log = None
+            await stop_kv_log_actor(kv_log)
 
 
 class SimSGLangServer(KvrouteSGLangServer):
     """`KvrouteSGLangServer` over the simulated engine. `engine_kwargs` are `SimSGLangEngine`'s
     (`time_scale`, `wire` and `sim.config.EngineConfig` fields such as `page_size`)."""
 
-    def _start_engine(self, llm_config: Any, endpoint: str) -> None:
+    def _start_engine(self, llm_config: Any, endpoint: str, kv_events_config: dict[str, Any] | None) -> None:
         from serve_app.ray_llm.sim_engine import SimSGLangEngine
 
         # what SGLangServer.__init__ sets, without importing sglang's RayEngine
@@ -169,8 +163,10 @@ class SimSGLangServer(KvrouteSGLangServer):
         self.engine_kwargs = llm_config.engine_kwargs
         self._is_paused = False
         self._sleeping_tags = set()
-        self.engine = SimSGLangEngine(metrics_ipc_name=endpoint, rid_prefix=f"{self.kvroute_worker}|",
-                                      **self.engine_kwargs)
+        kwargs = dict(self.engine_kwargs)
+        if kv_events_config is not None:  # the same refusal and JSON as for SGLang's engine
+            kwargs["kv_events_config"] = sglang_metrics_kwargs(kwargs, kv_events_config)["kv_events_config"]
+        self.engine = SimSGLangEngine(metrics_ipc_name=endpoint, rid_prefix=f"{self.kvroute_worker}|", **kwargs)
 
     @classmethod
     def get_deployment_options(cls, llm_config: Any) -> dict[str, Any]:

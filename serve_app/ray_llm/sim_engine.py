@@ -1,61 +1,111 @@
 """A simulated `sglang.Engine` for Ray Serve LLM's `SGLangServer`: the same calls the server makes
 (`async_generate`, `tokenizer_manager.tokenizer`, `shutdown`), answered by kvroute's simulated
 scheduler (`sim.engine`) in scaled real time, with KvMetrics pushed to the engine's metrics
-address exactly as SGLang's scheduler sends them. Everything above the engine stays Ray's code.
+address exactly as SGLang's scheduler sends them and (given SGLang's `kv_events_config`) KV events
+published as the simulated SGLang server publishes them (`sim.kv_event_publisher`). Everything
+above the engine stays Ray's code.
+
+Its tokenizer is the simulator's in a Hugging Face tokenizer's shape (`chat_render.SimChatTokenizer`):
+`SGLangServer` renders chat prompts to text with it and the engine tokenizes that text as SGLang's
+TokenizerManager does — the path a real engine behind Ray Serve LLM takes, which kvroute's request
+router reproduces in exact prefix mode (`chat_render.rendered_chat_ids`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import zmq
 
+from serve_app.ray_llm.chat_render import SimChatTokenizer
 from sim import tokenizer
 from sim.config import EngineConfig
 from sim.engine import Engine, KvReport, RequestRejected
+from sim.kv_event_publisher import KvEventPublisher
 from sim.kv_events import KvEvent
 from sim.metrics_emitter import MetricsEmitter
 from sim.server import EngineDriver
-from sim.sglang_shapes import DEFAULT_WIRE
+from sim.sglang_shapes import DEFAULT_WIRE, release_of
 
 
 class _TokenizerManager:
-    # SGLang's --skip-tokenizer-init shape: SGLangServer then renders chat prompts as "role: content"
-    tokenizer = None
+    def __init__(self) -> None:
+        self.tokenizer = SimChatTokenizer()
 
 
 class _Listener:
-    def __init__(self, emitter: MetricsEmitter) -> None:
+    def __init__(self, emitter: MetricsEmitter, publisher: KvEventPublisher | None) -> None:
         self.emitter = emitter
+        self.publisher = publisher
         self.reports = 0
 
     def on_kv_metrics(self, report: KvReport) -> None:
         self.reports += 1
         self.emitter.send(report)
 
-    def on_kv_events(self, events: list[KvEvent]) -> None:  # exact mode is not wired for Serve LLM
-        pass
+    def on_kv_events(self, events: list[KvEvent]) -> None:
+        if self.publisher is not None:
+            self.publisher.publish(events)
+
+
+def kv_event_publisher(kv_events_config: str | Mapping[str, Any], wire: str, context: zmq.Context) -> KvEventPublisher:
+    """SGLang's `kv_events_config` (its JSON, or the parsed dict) → the sim's publisher for `wire`'s
+    release. Raises ValueError for a publisher other than zmq or a malformed config."""
+    cfg = json.loads(kv_events_config) if isinstance(kv_events_config, str) else dict(kv_events_config)
+    if not isinstance(cfg, dict) or cfg.get("publisher", "null") != "zmq":
+        raise ValueError(f"kv_events_config: only the zmq publisher is simulated, got {cfg!r:.200}")
+    release = release_of(wire)
+    rel = tuple(int(x) for x in release.split("."))
+    return KvEventPublisher(
+        cfg.get("endpoint", "tcp://*:5557"), release=release, bind=cfg.get("bind"),
+        encoding="map" if rel >= (0, 5, 20) else "array", topic=cfg.get("topic", ""),
+        replay_endpoint=cfg.get("replay_endpoint"), buffer_steps=int(cfg.get("buffer_steps", 10_000)),
+        hwm=int(cfg.get("hwm", 100_000)), context=context)
 
 
 class SimSGLangEngine:
-    """`SimSGLangEngine(metrics_ipc_name=..., time_scale=..., **EngineConfig fields such as page_size)`.
+    """`SimSGLangEngine(metrics_ipc_name=..., time_scale=..., kv_events_config=..., **EngineConfig fields
+    such as page_size)`; `kv_events_config` is SGLang's (JSON or dict; None: no KV events).
 
     Must be built inside a running event loop (the replica's): the scheduler loop is a task on it."""
 
     def __init__(self, *, metrics_ipc_name: str, time_scale: float = 1.0, wire: str = DEFAULT_WIRE,
-                 rid_prefix: str = "", **engine_fields: Any) -> None:
+                 rid_prefix: str = "", kv_events_config: str | Mapping[str, Any] | None = None,
+                 **engine_fields: Any) -> None:
         self.rid_prefix = rid_prefix  # request ids (the response's `id`) start with it: tests see the replica
-        self.config = EngineConfig(**engine_fields)
         self._zmq = zmq.Context()
-        self._listener = _Listener(MetricsEmitter(metrics_ipc_name, wire, context=self._zmq))
+        publisher = None
+        if kv_events_config is not None:
+            try:
+                publisher = kv_event_publisher(kv_events_config, wire, self._zmq)
+            except BaseException:
+                self._zmq.term()
+                raise
+            engine_fields = {**engine_fields, "record_kv_events": True}
+        self.config = EngineConfig(**engine_fields)
+        self._listener = _Listener(MetricsEmitter(metrics_ipc_name, wire, context=self._zmq), publisher)
         self.engine = Engine(self.config, self._listener)
         self.driver = EngineDriver(self.engine, time_scale)
         self.tokenizer_manager = _TokenizerManager()
         self.metrics_ipc_name = metrics_ipc_name
-        self._task = asyncio.get_running_loop().create_task(self.driver.run(), name="sim-sglang-engine")
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self.driver.run(), name="sim-sglang-engine")
+        self._replay = loop.create_task(self._serve_replay(publisher)) if publisher and publisher.replay_endpoint \
+            else None
+
+    @property
+    def kv_events(self) -> KvEventPublisher | None:
+        return self._listener.publisher
+
+    @staticmethod
+    async def _serve_replay(publisher: KvEventPublisher) -> None:
+        while True:  # as the sim server does: the replay ROUTER answers within ~20 ms
+            publisher.serve_replay()
+            await asyncio.sleep(0.02)
 
     @property
     def alive(self) -> bool:
@@ -78,7 +128,7 @@ class SimSGLangEngine:
         return await self._one(prompt, max_new)
 
     def _submit(self, prompt: str, max_new: int) -> Any:
-        ids = tokenizer.encode(prompt, add_bos=True)
+        ids = self.tokenizer_manager.tokenizer.encode(prompt)
         try:
             return self.driver.submit(f"{self.rid_prefix}{uuid.uuid4().hex}", ids, int(max_new))
         except RequestRejected as exc:
@@ -124,5 +174,9 @@ class SimSGLangEngine:
         self.driver.end_all_streams()
         self.driver.stop()
         self._task.cancel()
+        if self._replay is not None:
+            self._replay.cancel()
         self._listener.emitter.close()
+        if self._listener.publisher is not None:
+            self._listener.publisher.close()
         self._zmq.term()

@@ -201,3 +201,29 @@ def test_kvroute_metrics_reach_rays_prometheus_under_the_dashboards_names(llm_ap
         return want <= seen
 
     wait_for(exported, 90, interval_s=2.0, what=f"kvroute's metrics in Ray's Prometheus (missing: {want - seen})")
+
+
+def test_streamed_first_tokens_reach_the_request_router_through_the_ingress(llm_app):
+    """kvroute's ingress signals each streamed reply's first token to the router in its process,
+    which releases the prefill charge; its counter in Ray's Prometheus export counts them."""
+    import re
+
+    import ray
+
+    port = ray._private.worker._global_node.metrics_export_port
+
+    def count() -> float:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("ray_kvroute_router_first_tokens_total{")
+                   and re.search(r'deployment="SimSGLangServer:' + MODEL + '"', line))
+
+    before = count()
+    for i in range(5):
+        with httpx.stream("POST", f"{llm_app}/v1/chat/completions", timeout=60, json={
+                "model": MODEL, "stream": True, "max_tokens": 8,
+                "messages": [{"role": "user", "content": f"first token {i} " * 30}]}) as r:
+            assert r.status_code == 200
+            r.read()
+    wait_for(lambda: count() >= before + 5, 90, interval_s=2.0,
+             what=f"5 first-token signals counted (had {before}, now {count()})")

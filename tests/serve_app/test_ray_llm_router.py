@@ -142,3 +142,27 @@ async def test_a_replica_naming_its_worker_in_routing_stats_is_found_by_that_nam
     assert ranks == [[named]]
     assert router.decisions == {"load": 1}
     assert router.core.ledger.in_flight("sim-0") == 1
+
+
+async def test_a_first_token_signal_from_the_ingress_thread_releases_the_prefill_charge(router):
+    import asyncio
+    import threading
+
+    from serve_app.ray_llm import first_token
+
+    a, b = _replica("a"), _replica("b")
+    _fleet(router, [replica_worker_name(a.replica_id), replica_worker_name(b.replica_id)])
+    req = _pending("r1", "a long prompt " * 200)
+    ranks = await router.choose_replicas([a, b], req)
+    router.on_request_routed(req, ranks[0][0].replica_id, None)
+    worker = replica_worker_name(ranks[0][0].replica_id)
+    ledger = router.core.ledger
+    assert ledger.view(worker).pending_prefill_blocks > 0
+    first_token.first_token("someone-else")  # another deployment's request: ignored
+    t = threading.Thread(target=first_token.first_token, args=("r1",))  # Serve's ingress runs elsewhere
+    t.start()
+    t.join()
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert ledger.view(worker).pending_prefill_blocks == 0
+    assert ledger.in_flight(worker) == 1 and router.first_tokens == 1  # still in flight until completed
