@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.run import ENGINE, MC, MC_ENGINE, MT, NS, SP  # noqa: E402
+from bench.run import ENGINE, MC, MC_ENGINE, MT, NS, SP, SUITES  # noqa: E402
 from bench.workloads import build_messages, make_trace  # noqa: E402
 from serve_app.config import RouterConfig  # noqa: E402
 from serve_app.follower import FleetFollower, WorkerRecord  # noqa: E402
@@ -443,11 +443,15 @@ def run(workload: str, rate: float, duration_s: float, policy: str, *, seed: int
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", default="shared_prefix", choices=sorted(PARAMS))
-    ap.add_argument("--rates", default="12,24,30")
+    ap.add_argument("--workload", default=None, choices=sorted(PARAMS),
+                    help="default: shared_prefix, or every workload of --suite")
+    ap.add_argument("--suite", default=None, choices=sorted(SUITES),
+                    help="each workload of this bench.run suite at its rates, with its engine and parameters")
+    ap.add_argument("--rates", default=None, help="default: 12,24,30, or the suite's")
     ap.add_argument("--duration", type=float, default=60.0, help="arrival window, simulated seconds")
     ap.add_argument("--warmup", type=float, default=5.0, help="sessions starting earlier are not measured")
-    ap.add_argument("--policies", default="kv_aware,cache_aware,round_robin,least_loaded")
+    ap.add_argument("--policies", default="kv_aware,cache_aware,round_robin,least_loaded",
+                    help=f"kvroute policies, cache_aware (the model) or the yardsticks {', '.join(ORACLES)}")
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--net", type=float, default=Knobs.net_s, metavar="S",
                     help="router → worker (and back) transit, simulated seconds; a starved router's dispatch lag")
@@ -457,24 +461,50 @@ def main() -> int:
                     help="engine report → router's view (the metrics plane's lag), simulated seconds")
     ap.add_argument("--kv", action="append", default=[], metavar="KNOB=VALUE",
                     help="a kv_aware knob for every kv_aware run, e.g. --kv tolerance=0.5")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="then where the TTFT went (PARTS, ms) for the median band (p40-p60) and the tail (≥ p99)")
     ns = ap.parse_args()
     kv = {a.split("=", 1)[0]: float(a.split("=", 1)[1]) for a in ns.kv}
-    print(f"# routesim: {ns.workload}, {ns.duration:g} s window (warm-up {ns.warmup:g} s), "
-          f"engine {ENGINES.get(ns.workload, ENGINE)}, kv_aware overrides {kv or 'none'}\n")
-    print("| policy | rate | req/s | TTFT p50 ms | p99 ms | E2E p50 ms | hit % | spread |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for rate in [float(x) for x in ns.rates.split(",")]:
+    cells: list[tuple[str, float, dict[str, Any] | None, dict[str, Any] | None]] = []
+    if ns.suite:
+        suite = SUITES[ns.suite]
+        for wl, spec in suite["workloads"].items():
+            if ns.workload in (None, wl):
+                for rate in ([float(x) for x in ns.rates.split(",")] if ns.rates else spec["rates"]):
+                    cells.append((wl, float(rate), spec["params"], suite["engine"]))
+    else:
+        wl = ns.workload or "shared_prefix"
+        cells = [(wl, float(x), None, None) for x in (ns.rates or "12,24,30").split(",")]
+    print(f"# routesim: {ns.suite + ' suite' if ns.suite else cells[0][0]}, {ns.duration:g} s window "
+          f"(warm-up {ns.warmup:g} s), engine {cells[0][3] or ENGINES.get(cells[0][0], ENGINE)}, "
+          f"kv_aware overrides {kv or 'none'}\n")
+    print("| policy | workload | rate | req/s | TTFT p50 ms | p99 ms | E2E p50 ms | hit % | spread |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    parts: list[str] = []
+    for wl, rate, params, engine in cells:
         for pol in ns.policies.split(","):
             t0 = time.perf_counter()
-            rows = [run(ns.workload, rate, ns.duration, pol, seed=s + 1, kv_aware=kv, warmup_s=ns.warmup,
-                        knobs=Knobs(net_s=ns.net, report_delay_s=ns.report_delay,
-                                    report_date_bias_s=ns.report_date_bias)).summary()
-                    for s in range(ns.seeds)]
+            res = [run(wl, rate, ns.duration, pol, seed=s + 1, kv_aware=kv, warmup_s=ns.warmup,
+                       engine=engine, params=params,
+                       knobs=Knobs(net_s=ns.net, report_delay_s=ns.report_delay,
+                                   report_date_bias_s=ns.report_date_bias))
+                   for s in range(ns.seeds)]
+            rows = [r.summary() for r in res]
             m = {key: statistics.mean(r[key] for r in rows) for key in rows[0]}
-            print(f"| {pol} | {rate:g} | {m['req/s']:.1f} | {m['ttft_p50_ms']:.0f} | {m['ttft_p99_ms']:.0f} | "
+            print(f"| {pol} | {wl} | {rate:g} | {m['req/s']:.1f} | {m['ttft_p50_ms']:.0f} | {m['ttft_p99_ms']:.0f} | "
                   f"{m['e2e_p50_ms']:.0f} | {m['hit'] * 100:.0f} | {m['spread']:.2f} |"
                   f"  <!-- {time.perf_counter() - t0:.1f} s -->")
+            for band, lo, hi in (("p40-p60", 0.4, 0.6), ("≥ p99", 0.99, 1.0)):
+                b = [r.breakdown(lo, hi) for r in res]
+                parts.append(f"| {pol} | {wl} | {rate:g} | {band} | {statistics.mean(x['ttft'] for x in b):.0f} | "
+                             + " | ".join(f"{statistics.mean(x[k] for x in b):.0f}" for k in PARTS) + " |")
             sys.stdout.flush()
+    if ns.breakdown:
+        print("\nWhere the time to first token went (mean ms over the requests of the band; `PARTS` in "
+              "bench/routesim.py):\n")
+        print("| policy | workload | rate | band | TTFT | " + " | ".join(PARTS) + " |")
+        print("|---|---|---:|---|---:|" + "---:|" * len(PARTS))
+        print("\n".join(parts))
     return 0
 
 
