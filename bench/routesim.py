@@ -243,6 +243,7 @@ class Result:
     last_end: float
     per_worker: dict[str, int]
     parts: list[dict[str, float]] = field(default_factory=list)  # per measured request, as `ttft`
+    served_by: list[str] = field(default_factory=list)  # per measured request, as `ttft`
 
     def summary(self) -> dict[str, float]:
         q = statistics.quantiles(self.ttft, n=100) if len(self.ttft) > 1 else [0.0] * 99
@@ -269,7 +270,8 @@ async def _no_aggregator() -> Any:
 
 def run(workload: str, rate: float, duration_s: float, policy: str, *, seed: int = 1, workers: int = 4,
         knobs: Knobs | None = None, kv_aware: dict[str, Any] | None = None, warmup_s: float = 0.0,
-        engine: dict[str, Any] | None = None, params: dict[str, Any] | None = None) -> Result:
+        engine: dict[str, Any] | None = None, params: dict[str, Any] | None = None,
+        router: dict[str, Any] | None = None) -> Result:
     """Drive one trace through `workers` simulated engines routed by `policy`."""
     k = knobs or Knobs()
     eng = {**ENGINES.get(workload, ENGINE), **(engine or {})}
@@ -302,7 +304,7 @@ def run(workload: str, rate: float, duration_s: float, policy: str, *, seed: int
     # kvroute's own decision plane, fed by hand instead of by the aggregator
     follower = FleetFollower(_no_aggregator)
     core = RouterCore(RouterConfig(policy="kv_aware" if policy in ("cache_aware", *ORACLES) else policy,
-                                   kv_aware=kv_aware or {}, seed=seed), follower, "sim", clock=clock)
+                                   kv_aware=kv_aware or {}, seed=seed, **(router or {})), follower, "sim", clock=clock)
 
     def update(name: str, metrics: dict[str, Any] | None, produced: float | None, state: str) -> None:
         follower.workers[name] = WorkerRecord(name=name, url=name, page_size=cfg.page_size, state=state,
@@ -425,6 +427,7 @@ def run(workload: str, rate: float, duration_s: float, policy: str, *, seed: int
                 res.requests += 1
                 res.ttft.append(r.get("ttft", now - r["sent"]))
                 res.parts.append(r["parts"])
+                res.served_by.append(r["worker"])
                 res.e2e.append(now - r["sent"])
                 res.last_end = max(res.last_end, now)
                 res.prompt += r["n_prompt"]

@@ -12,11 +12,7 @@ Per request, in blocks of the router's block size:
   whether or not a report absorbed the request: a report shows a request in prefill as a slot and
   its KV, never as the work left, so a worker that just started a long prefill must not look free
   (the report's `waiting` is reduced by those requests instead, not to count them twice);
-- KV blocks = the same new blocks, counted until the request ends (the engine holds them);
-- lifetime KV blocks = all its prompt blocks plus its `max_tokens` in blocks, counted until the
-  request ends: what SGLang reserves before it admits a request (prompt pages now, the output's
-  pages reserved), so their sum over a worker, against its KV capacity, says whether the requests
-  sent there are admitted or queue for memory (`reserved_kv_blocks`).
+- KV blocks = the same new blocks, counted until the request ends (the engine holds them).
 
 Requests end between reports too: SGLang reports every 40 decode steps, so a short request can
 start and finish between two reports, and the last report keeps counting it as running (and its
@@ -81,25 +77,23 @@ class LedgerView(NamedTuple):
     prefilling_reported: int = 0  # absorbed by the last report, still before first token
     last_routed_at: float = 0.0  # when this replica last routed a request there (0 = never)
     prefilling: int = 0  # this replica's in-flight requests not yet past first token
-    reserved_kv_blocks: int = 0  # lifetime KV blocks (prompt + max_tokens) of all its in-flight requests
 
 
 class _Req:
-    __slots__ = ("worker", "routed_at", "prefill", "kv", "life", "prefilled", "absorbed", "done")
+    __slots__ = ("worker", "routed_at", "prefill", "kv", "prefilled", "absorbed", "done")
 
-    def __init__(self, worker: str, routed_at: float, prefill: int, kv: int, life: int = 0) -> None:
+    def __init__(self, worker: str, routed_at: float, prefill: int, kv: int) -> None:
         self.worker = worker
         self.routed_at = routed_at
         self.prefill = prefill
         self.kv = kv
-        self.life = life
         self.prefilled = False
         self.absorbed = False
         self.done = False
 
 
 class _Worker:
-    __slots__ = ("in_flight", "prefill", "prefill_n", "kv", "life", "pending", "pending_kv", "prefilling_reported",
+    __slots__ = ("in_flight", "prefill", "prefill_n", "kv", "pending", "pending_kv", "prefilling_reported",
                  "queue", "reported_at", "gone", "gone_n", "gone_kv", "recent", "last_routed")
 
     def __init__(self) -> None:
@@ -107,7 +101,6 @@ class _Worker:
         self.prefill = 0  # all in-flight, not yet prefilled
         self.prefill_n = 0  # how many requests that is
         self.kv = 0  # all in-flight
-        self.life = 0  # lifetime KV blocks of all in-flight
         self.pending = 0  # not absorbed by a report
         self.pending_kv = 0
         self.prefilling_reported = 0  # absorbed, not yet prefilled
@@ -153,16 +146,14 @@ class Ledger:
     # -- the moments of a request ------------------------------------------------------------
 
     def on_routed(
-        self, request_id: str, worker: str, prompt_blocks: int, cached_blocks: int = 0, output_blocks: int = 0
+        self, request_id: str, worker: str, prompt_blocks: int, cached_blocks: int = 0
     ) -> None:
-        """The request was sent to `worker`; `cached_blocks` of its prompt are believed cached there,
-        `output_blocks` is its max_tokens in blocks (0: not given)."""
+        """The request was sent to `worker`; `cached_blocks` of its prompt are believed cached there."""
         now = self._clock()
         if request_id in self._reqs:
             self._end(request_id)  # a retry on another worker reuses the id
         new = max(0, prompt_blocks - max(0, cached_blocks))
-        life = max(0, prompt_blocks) + max(0, output_blocks)
-        r = _Req(worker, now, new, new, life)
+        r = _Req(worker, now, new, new)
         self._reqs[request_id] = r
         w = self._workers.get(worker)
         if w is None:
@@ -172,7 +163,6 @@ class Ledger:
         w.prefill += new
         w.prefill_n += 1
         w.kv += new
-        w.life += life
         w.pending += 1
         w.pending_kv += new
         w.queue.append(r)
@@ -246,10 +236,10 @@ class Ledger:
             return LedgerView(0, 0, 0, 0, remote)
         if idle:
             return LedgerView(w.in_flight, w.in_flight, w.prefill, w.kv, remote, 0, 0, len(w.recent), 0,
-                              w.last_routed, w.prefill_n, w.life)
+                              w.last_routed, w.prefill_n)
         return LedgerView(w.in_flight, w.pending, w.prefill, w.pending_kv, remote,
                           w.gone_n, w.gone_kv, len(w.recent), w.prefilling_reported, w.last_routed,
-                          w.prefill_n, w.life)
+                          w.prefill_n)
 
     def in_flight(self, worker: str) -> int:
         w = self._workers.get(worker)
@@ -264,8 +254,7 @@ class Ledger:
         if idle:
             return WorkerView(v.name, v.url, v.state, v.page_size, 0, v.total_slots, 0, 0,
                               v.kv_total_blocks, *lv[:5], v.hot_blocks, lv.recent_finished,
-                              v.reused_blocks, lv.last_routed_at, lv.prefilling, v.worker, v.rank,
-                              lv.reserved_kv_blocks)
+                              v.reused_blocks, lv.last_routed_at, lv.prefilling, v.worker, v.rank)
         running, waiting, kv = v.running, v.waiting, v.kv_active_blocks
         if lv.finished:  # ended since the report: out of its running (then waiting) and KV figures
             gone = lv.finished
@@ -277,8 +266,7 @@ class Ledger:
             waiting = max(0, waiting - lv.prefilling_reported)
         return WorkerView(v.name, v.url, v.state, v.page_size, running, v.total_slots, waiting,
                           kv, v.kv_total_blocks, *lv[:5], v.hot_blocks, lv.recent_finished,
-                          v.reused_blocks, lv.last_routed_at, lv.prefilling, v.worker, v.rank,
-                          lv.reserved_kv_blocks)
+                          v.reused_blocks, lv.last_routed_at, lv.prefilling, v.worker, v.rank)
 
     def take_dirty(self) -> set[str]:
         """Workers whose ledger figures changed since the last call (rebuild only their views)."""
@@ -407,7 +395,6 @@ class Ledger:
             _trim(w.recent, now - self.config.followup_window_s)  # bounded by one window's finishes
         w.in_flight -= 1
         w.kv -= r.kv
-        w.life -= r.life
         if not r.prefilled:
             w.prefill -= r.prefill
             w.prefill_n -= 1

@@ -426,8 +426,7 @@ class RouterCore:
         `Decision.target` names it): count it in flight and index its prompt there
         (now, not when the worker answers: a long prefill would otherwise let the next requests
         with the same prefix miss it). A failed attempt leaves a stale entry that ages out."""
-        self.ledger.on_routed(request_id, worker, request.prompt_blocks, request.overlap.get(worker, 0),
-                              -(-request.max_tokens // request.block_tokens))
+        self.ledger.on_routed(request_id, worker, request.prompt_blocks, request.overlap.get(worker, 0))
         if request.block_hashes:
             self.prefix.record(worker, self._prefix_keys(request.block_hashes, model))
 

@@ -56,9 +56,6 @@ class WorkerView:
     # worker without DP ranks is one target (`worker` "" = `name`, `rank` None: nothing to pin)
     worker: str = ""
     rank: int | None = None
-    # ledger: lifetime KV blocks (all prompt blocks + max_tokens) of this replica's in-flight requests
-    # there — what the engine reserves before admitting them; beyond its capacity they queue for memory
-    reserved_kv_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)

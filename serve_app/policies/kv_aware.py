@@ -130,10 +130,6 @@ class KvAwareConfig(BaseModel):
         "request on the worker still before its first token (this router's, plus the reported waiting "
         "ones) waits for its new blocks too, so each new block costs "
         "prefill_weight·(1 + cobatch_weight·those requests); 0 prices only the prompt's own wait")
-    reservation_weight: float = Field(
-        0.0, ge=0, description="KV admission: a worker's KV in use for the watermark is at least this "
-        "times the lifetime reservations (all prompt blocks + max_tokens) of this router's in-flight "
-        "requests there, and a prompt's own need includes its max_tokens; 0 uses only the reported usage")
     kv_weight: float = Field(
         1.0, ge=0, description="cost per KV block held (the report's kv_active_blocks plus this "
         "router's pending ones) and per new block this prompt allocates")
@@ -184,11 +180,7 @@ def worker_terms(cfg: KvAwareConfig, w: WorkerView, block_tokens: int) -> Worker
         + cfg.kv_weight * kv_held + cfg.queued_request_blocks * queued
     if w.kv_total_blocks:
         total = w.kv_total_blocks * per_page
-        # admission: the engine reserves every admitted request's whole lifetime (prompt + max_tokens),
-        # which the report's usage shows only as it is written; this router's in-flight reservations
-        # say it up front, queued requests included
-        headroom = cfg.kv_high_watermark * total - (
-            max(kv_held, cfg.reservation_weight * w.reserved_kv_blocks) if cfg.reservation_weight else kv_held)
+        headroom = cfg.kv_high_watermark * total - kv_held
         room = max(0.0, min(total - kv_held, cfg.kv_high_watermark * total - w.hot_blocks))
         capacity = float(w.kv_total_blocks * w.page_size)
     else:
@@ -372,9 +364,8 @@ class KvAware:
         if cfg.live_weight and P and t.any_hot():
             per_new_block = t.hot * (cfg.live_weight / P) + per_new_block
         cost = per_new_block * new + t.base
-        out = -(-request.max_tokens // request.block_tokens) if cfg.reservation_weight else 0
-        if t.may_pass_headroom(P + out):
-            cost += cfg.kv_overflow_weight * np.maximum(new + out - t.kv_headroom, 0.0)
+        if t.may_pass_headroom(P):
+            cost += cfg.kv_overflow_weight * np.maximum(new - t.kv_headroom, 0.0)
         if t.may_evict(P):  # evict_room ≥ 0, so max(0, new − room) ≤ new: no min(new, ·) needed
             cost += cfg.eviction_weight * np.maximum(new - t.evict_room, 0.0)
         scale = t.scale()
