@@ -10,12 +10,22 @@ which makes policy changes comparable on a shared 2-core machine where the wall-
 delay) and every peer's real implementation — figures that compare with peers come from
 `bench.run` only. `cache_aware*` here is a *model* of sglang-router's cache_aware policy (approximate
 per-worker prefix tree of request text, LRU-bounded; balance thresholds on in-flight counts),
-kept as a yardstick for tuning. `oracle` is another yardstick no router can implement: greedy with
-perfect information, it copies every engine (with its batch in flight), runs each forward with the
-request added and sends it where its first token would come first (future arrivals unknown).
+kept as a yardstick for tuning. Two yardsticks no router can implement have perfect information:
+they copy every engine (with its batch in flight and the requests routed to it still in transit),
+run each copy forward with the request added, and pick the worker where that is cheapest, knowing
+neither future arrivals nor anything about them. `oracle` minimises the request's own first-token
+time (greedy); `oracle_sum` minimises what it adds to the sum of first-token times there — its own
+wait plus the delay it causes every request there still before its first token (the ones it shares
+a prefill batch with). What they know that a router cannot: each engine's exact queue, batch in
+flight and its remaining time, prefix-cache contents, KV reservations and timing model.
+
+Each measured request's time to first token is split into `PARTS` (`Result.breakdown`,
+`--breakdown`): transit, the batch in flight when it landed, prefill batches ahead of it, waiting
+for KV or a slot, its own prefill and the other prompts prefilled in its batch.
 
     python -m bench.routesim [--workload shared_prefix] [--rates 12,24,30] [--duration 60]
-                             [--policies kv_aware,cache_aware,round_robin] [--seeds 1]
+                             [--policies kv_aware,cache_aware,round_robin,oracle_sum] [--seeds 1]
+                             [--suite standard] [--breakdown] [--kv KNOB=VALUE]
 """
 
 from __future__ import annotations

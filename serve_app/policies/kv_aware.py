@@ -45,8 +45,11 @@ because its conversations are between turns.
 `prefilling` counts this router's requests on w not yet past their first token: a prompt sent
 there joins their prefill batch (SGLang prefills every waiting prompt that fits in one batch, and
 each gets its first token when the batch ends), so its new blocks delay each of them as much as
-itself. Pricing only its own wait is what made a greedy pick — even one with perfect information —
-stack consecutive cold prompts into one batch on real traffic (`bench/results/mooncake.md`).
+itself. Pricing only its own wait stacks consecutive cold prompts into one batch on real traffic:
+with perfect information, a greedy pick's median first token on the Mooncake replay is 221 ms, one
+that prices the sum 175 ms (`bench/results/routesim-mooncake.md`). The weights are such that the
+prompt-independent terms (KV held, hot set) do not drown the prefill queued ahead: on that traffic
+the median request waits longer for the prompts in its batch than for its own prefill.
 `recent_finished` counts requests that finished on w within the ledger's follow-up window (an
 older, noisier estimate of the same thing; `followup_weight` is 0 by default).
 
