@@ -6,11 +6,10 @@ Used by the node's metrics host actor (`actors.metrics_host.MetricsHost`); `benc
 hosts send the same frames through the same `AggregatorLink.push_host`. No Ray import.
 
 Receive: the event loop calls a drain when a PULL is readable (`actors.readable.SocketWatch`).
-Push: throttled on both edges over `Settings.coalesce_s`, for the host as a whole: the first change
-after a quiet spell goes at once from the receive callback; then every receive watch sleeps and one
-timer per window drains every socket and pushes one frame with each changed worker's whole report.
-After the link (re)connects — a restarted aggregator holds nothing — the next frame carries every
-worker's report.
+Push: `actors.push_window.PushWindow`, for the host as a whole: the first change after a quiet spell
+goes at once from the receive callback; then every receive watch sleeps and one timer per window
+drains every socket and pushes one frame with each changed worker's whole report. After the link
+(re)connects — a restarted aggregator holds nothing — the next frame carries every worker's report.
 """
 
 from __future__ import annotations
@@ -25,9 +24,10 @@ import zmq
 
 from actors.ingest import MetricsBook
 from actors.link import AggregatorLink
-from actors.metrics_pipe import drain_frames
+from actors.metrics_pipe import receive
 from actors.models import Settings
 from actors.protocol import WorkerReport
+from actors.push_window import PushWindow
 from actors.readable import SocketWatch
 
 logger = logging.getLogger("kvroute.host")
@@ -48,7 +48,7 @@ class _Slot:
         self.dirty = True  # its report changed since the last frame that was queued (new: register it)
 
 
-class HostPipe:
+class HostPipe(PushWindow):
     """Hosted workers' PULLs → their books → one coalesced `HostFrame` per window over `link`.
 
     `add()` a worker (its bound PULL, its book, its `report()`), `mark()` it when its liveness or
@@ -56,18 +56,13 @@ class HostPipe:
     `stop()` ends it (idempotent: no frame goes after it). The caller owns and closes the sockets."""
 
     def __init__(self, host: str, link: AggregatorLink, settings: Settings) -> None:
+        super().__init__(f"host {host}", link, settings)
         self.host = host
         self.incarnation = uuid.uuid4().hex[:12]
-        self.link = link
-        self.settings = settings
-        self.wake = asyncio.Event()
         self._slots: dict[str, _Slot] = {}
         self._names: list[str] = []
-        self._last_push = 0.0
-        self._timer: asyncio.TimerHandle | None = None
         self._full_for = -1  # link.connections when the last frame with every report was queued
         self._started = False
-        self._stopping = False
         self._task: asyncio.Task | None = None
         self.frames = 0  # frames queued toward the aggregator
         self.full_frames = 0  # of them, frames with every worker's report (start, aggregator reconnects)
@@ -121,12 +116,8 @@ class HostPipe:
         return self._task
 
     def stop(self) -> None:
-        if self._stopping:
+        if not self._stop_windows():
             return
-        self._stopping = True
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
         for slot in self._slots.values():
             if slot.watch is not None:
                 slot.watch.close()
@@ -147,49 +138,31 @@ class HostPipe:
         raw, book = slot.raw, slot.book
         if raw is None or book is None:
             return False
-        try:
-            more, fresh = drain_frames(raw, book)
-        except zmq.ZMQError:  # closed under us (removed)
-            return False
-        except Exception:  # a receive path must never die (the newest state is pushed regardless)
-            logger.exception("host %s: worker %s: receive error", self.host, slot.name)
-            more = fresh = True
+        more, fresh = receive(raw, book, f"host {self.host}: worker {slot.name}")
         if fresh:
             slot.dirty = True
             if notify:
                 self._metrics_arrived()
         return more
 
-    # --- push ---------------------------------------------------------------------------------
+    # --- PushWindow ---------------------------------------------------------------------------
 
-    def _metrics_arrived(self) -> None:
-        """Throttled on both edges, for the whole host (see the module docstring)."""
-        if self._timer is not None:
-            return
-        if time.monotonic() - self._last_push >= self.settings.coalesce_s and self._push_now():
-            return
-        self._start_window()
-
-    def _start_window(self) -> None:
+    def _pause_receive(self) -> None:
         for slot in self._slots.values():
             if slot.watch is not None:
                 slot.watch.pause()
-        wait = max(self.settings.coalesce_s - (time.monotonic() - self._last_push), self.settings.push_interval_s)
-        self._timer = asyncio.get_running_loop().call_later(wait, self._window_ends)
 
-    def _window_ends(self) -> None:
-        self._timer = None
-        if self._stopping:
-            return
+    def _resume_receive(self) -> None:
+        for slot in list(self._slots.values()):
+            if slot.watch is not None:
+                slot.watch.resume_now()
+
+    def _drain_waiting(self) -> None:
         for slot in list(self._slots.values()):
             self._drain(slot, notify=False)
-        if any(s.dirty for s in self._slots.values()):
-            self._push_now()  # if it is not queued, the next window (or the push loop) sends the newest
-            self._start_window()
-        else:
-            for slot in list(self._slots.values()):
-                if slot.watch is not None:
-                    slot.watch.resume_now()
+
+    def _unpushed(self) -> bool:
+        return any(s.dirty for s in self._slots.values())
 
     def _push_now(self) -> bool:
         """One frame: the changed workers' reports (every worker's after a (re)connect), vouching for all."""
@@ -211,30 +184,3 @@ class HostPipe:
                 self._full_for = connections
                 self.full_frames += 1
         return ok
-
-    async def _push_loop(self) -> None:
-        """Heartbeats, woken changes and reconnection: a frame every `heartbeat_s` (counted from the
-        last one, wherever it came from) or at once when woken; never waits on the aggregator."""
-        s = self.settings
-        while True:
-            try:
-                wait = s.heartbeat_s - (time.monotonic() - self._last_push)
-                if wait > 0 and not self.wake.is_set():
-                    try:
-                        await asyncio.wait_for(self.wake.wait(), timeout=wait)
-                    except asyncio.TimeoutError:
-                        continue  # re-check: the receive path may have pushed meanwhile
-                gap = s.push_interval_s - (time.monotonic() - self._last_push)
-                if gap > 0:
-                    await asyncio.sleep(gap)
-                if not await self.link.ensure():
-                    await asyncio.sleep(min(s.reconnect_backoff_s, s.heartbeat_s))
-                    continue
-                self.wake.clear()
-                if not self._push_now():
-                    self.wake.set()  # not queued: send the newest state again after the gap
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                logger.exception("host %s: push loop error", self.host)
-                await asyncio.sleep(s.push_interval_s)

@@ -7,8 +7,8 @@ in-replica collector (`serve_app.ray_llm.collector.ReplicaCollector`); each keep
 
 Receive: the event loop calls a drain when the PULL is readable (`actors.readable.SocketWatch`: one
 callback per arrival, no future per frame); multipart messages are refused (SGLang never sends them).
-Push: throttled on both edges (`Settings.coalesce_s`, see `MetricsPipe._metrics_arrived`), plus a
-push loop for heartbeats, woken changes (liveness, status) and reconnection. No Ray import.
+Push: `actors.push_window.PushWindow` (throttled on both edges over `Settings.coalesce_s`, plus a push
+loop for heartbeats, woken changes (liveness, status) and reconnection). No Ray import.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from actors.ingest import MetricsBook
 from actors.link import AggregatorLink
 from actors.models import Settings
 from actors.protocol import WorkerReport
+from actors.push_window import PushWindow
 from actors.readable import SocketWatch
 
 logger = logging.getLogger("kvroute.worker")
@@ -51,7 +52,22 @@ def drain_frames(raw: zmq.Socket, book: MetricsBook) -> tuple[bool, bool]:
     return True, fresh
 
 
-class MetricsPipe:
+def receive(raw: zmq.Socket, book: MetricsBook, what: str) -> tuple[bool, bool]:
+    """`drain_frames` for a receive callback, which must never die: a socket closed under it
+    (its worker removed) has nothing more; any other error is logged and the newest state is pushed
+    regardless. Returns (more may wait, new metrics arrived)."""
+    try:
+        return drain_frames(raw, book)
+    except zmq.ZMQError:
+        if raw.closed:
+            return False, False
+        logger.exception("%s: receive error", what)
+    except Exception:
+        logger.exception("%s: receive error", what)
+    return True, True
+
+
+class MetricsPipe(PushWindow):
     """PULL socket → `book` → coalesced `report()`s over `link`, for worker `name`.
 
     `sock` is a bound PULL (the caller binds it and closes it after `stop()`); `wake` (optional, the
@@ -69,18 +85,13 @@ class MetricsPipe:
         *,
         wake: asyncio.Event | None = None,
     ) -> None:
+        super().__init__(f"worker {name}", link, settings, wake)
         self.name = name
         self.book = book
-        self.link = link
-        self.settings = settings
         self._report = report
-        self.wake = wake if wake is not None else asyncio.Event()
         self._raw = zmq.Socket.shadow(sock.underlying)  # sync view of the socket: cheap drains
         self._watch: SocketWatch | None = None
-        self._last_push = 0.0
-        self._unpushed = False  # metrics ingested since the last report that was queued
-        self._push_timer: asyncio.TimerHandle | None = None
-        self._stopping = False
+        self._changed = False  # metrics ingested since the last report that was queued
         self.tasks: list[asyncio.Task] = []
 
     def start(self) -> list[asyncio.Task]:
@@ -91,14 +102,9 @@ class MetricsPipe:
 
     def stop(self) -> None:
         """No push after this: cancel the coalescing window and the tasks (the caller may await them)."""
-        if self._stopping:
-            return
-        self._stopping = True
-        if self._push_timer is not None:
-            self._push_timer.cancel()
-            self._push_timer = None
-        for t in self.tasks:
-            t.cancel()
+        if self._stop_windows():
+            for t in self.tasks:
+                t.cancel()
 
     # --- receive ------------------------------------------------------------------------------
 
@@ -114,48 +120,28 @@ class MetricsPipe:
     def _drain(self, notify: bool = True) -> bool:
         """Ingest what is waiting (a bounded batch); True if more may wait. `notify`: new metrics
         go to `_metrics_arrived` (not when the coalescing window's end drains them)."""
-        try:
-            more, fresh = drain_frames(self._raw, self.book)
-        except Exception:  # a receive path must never die (the newest state is pushed regardless)
-            logger.exception("worker %s: receive error", self.name)
-            more = fresh = True
+        more, fresh = receive(self._raw, self.book, self.what)
         if fresh:
-            self._unpushed = True
+            self._changed = True
             if notify:
                 self._metrics_arrived()
         return more
 
-    # --- push ---------------------------------------------------------------------------------
+    # --- PushWindow ---------------------------------------------------------------------------
 
-    def _metrics_arrived(self) -> None:
-        """New SGLang metrics, throttled on both edges: the first change after `coalesce_s` without a
-        push goes at once, from the receive callback itself (no hand-off to the push loop). After
-        that a coalescing window starts: the receive watch sleeps (SGLang's frames wait in the
-        socket; the process is not woken per frame) and at its end one push carries the newest state."""
-        if self._push_timer is not None:
-            return
-        if time.monotonic() - self._last_push >= self.settings.coalesce_s and self._push_now():
-            return
-        self._start_window()
-
-    def _start_window(self) -> None:
+    def _pause_receive(self) -> None:
         if self._watch is not None:
             self._watch.pause()
-        wait = max(self.settings.coalesce_s - (time.monotonic() - self._last_push), self.settings.push_interval_s)
-        self._push_timer = asyncio.get_running_loop().call_later(wait, self._window_ends)
 
-    def _window_ends(self) -> None:
-        """Drain what waited and push it; while the engine keeps sending, stay in windows (one
-        wake-up and one push per `coalesce_s`); once a window stays empty, wake on arrival again."""
-        self._push_timer = None
-        if self._stopping:
-            return
-        self._drain(notify=False)
-        if self._unpushed:
-            self._push_now()  # if it is not queued, the next window (or the push loop) sends the newest
-            self._start_window()
-        elif self._watch is not None:
+    def _resume_receive(self) -> None:
+        if self._watch is not None:
             self._watch.resume_now()
+
+    def _drain_waiting(self) -> None:
+        self._drain(notify=False)
+
+    def _unpushed(self) -> bool:
+        return self._changed
 
     def _push_now(self) -> bool:
         """Push the newest report if the link is up (else the push loop reconnects and sends it)."""
@@ -166,38 +152,5 @@ class MetricsPipe:
             return False
         self._last_push = time.monotonic()
         ok = self.link.push_reports([self._report()])
-        self._unpushed = self._unpushed and not ok
+        self._changed = self._changed and not ok
         return ok
-
-    async def _push_loop(self) -> None:
-        """Heartbeats, liveness and status changes, and reconnection: the newest state every
-        `heartbeat_s` (counted from the last push, wherever it came from) or at once when woken;
-        a push never waits on the aggregator (a frame it cannot queue is dropped and the next,
-        newer report goes instead)."""
-        s = self.settings
-        while True:
-            try:
-                wait = s.heartbeat_s - (time.monotonic() - self._last_push)
-                if wait > 0 and not self.wake.is_set():
-                    try:
-                        await asyncio.wait_for(self.wake.wait(), timeout=wait)
-                    except asyncio.TimeoutError:
-                        continue  # re-check: the receive path may have pushed meanwhile
-                last = self._last_push
-                gap = s.push_interval_s - (time.monotonic() - last)
-                if gap > 0:
-                    await asyncio.sleep(gap)
-                if not await self.link.ensure():
-                    await asyncio.sleep(min(s.reconnect_backoff_s, s.heartbeat_s))
-                    continue
-                self.wake.clear()
-                if self.link.push_reports([self._report()]):
-                    self._unpushed = False
-                else:
-                    self.wake.set()  # not queued: send the newest state again after the gap
-                self._last_push = time.monotonic()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                logger.exception("worker %s: push loop error", self.name)
-                await asyncio.sleep(s.push_interval_s)

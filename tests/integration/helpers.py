@@ -16,6 +16,8 @@ class HealthServer:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as SGLang's uvicorn server: probes reuse their connection
+
             def do_GET(self):  # noqa: N802
                 code = 200 if (self.path == "/health" and outer.healthy) else 503
                 self.send_response(code)
@@ -58,6 +60,8 @@ class BrokenWorker:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as SGLang's uvicorn server: probes reuse their connection
+
             def do_GET(self):  # noqa: N802
                 self.send_response(200 if self.path == "/health" else 404)
                 self.send_header("content-length", "0")
