@@ -10,12 +10,22 @@ which makes policy changes comparable on a shared 2-core machine where the wall-
 delay) and every peer's real implementation — figures that compare with peers come from
 `bench.run` only. `cache_aware*` here is a *model* of sglang-router's cache_aware policy (approximate
 per-worker prefix tree of request text, LRU-bounded; balance thresholds on in-flight counts),
-kept as a yardstick for tuning. `oracle` is another yardstick no router can implement: greedy with
-perfect information, it copies every engine (with its batch in flight), runs each forward with the
-request added and sends it where its first token would come first (future arrivals unknown).
+kept as a yardstick for tuning. Two yardsticks no router can implement have perfect information:
+they copy every engine (with its batch in flight and the requests routed to it still in transit),
+run each copy forward with the request added, and pick the worker where that is cheapest, knowing
+neither future arrivals nor anything about them. `oracle` minimises the request's own first-token
+time (greedy); `oracle_sum` minimises what it adds to the sum of first-token times there — its own
+wait plus the delay it causes every request there still before its first token (the ones it shares
+a prefill batch with). What they know that a router cannot: each engine's exact queue, batch in
+flight and its remaining time, prefix-cache contents, KV reservations and timing model.
+
+Each measured request's time to first token is split into `PARTS` (`Result.breakdown`,
+`--breakdown`): transit, the batch in flight when it landed, prefill batches ahead of it, waiting
+for KV or a slot, its own prefill and the other prompts prefilled in its batch.
 
     python -m bench.routesim [--workload shared_prefix] [--rates 12,24,30] [--duration 60]
-                             [--policies kv_aware,cache_aware,round_robin] [--seeds 1]
+                             [--policies kv_aware,cache_aware,round_robin,oracle_sum] [--seeds 1]
+                             [--suite standard] [--breakdown] [--kv KNOB=VALUE]
 """
 
 from __future__ import annotations
@@ -28,20 +38,21 @@ import random
 import statistics
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.run import ENGINE, MC, MC_ENGINE, MT, NS, SP  # noqa: E402
+from bench.run import ENGINE, MC, MC_ENGINE, MT, NS, SP, SUITES  # noqa: E402
 from bench.workloads import build_messages, make_trace  # noqa: E402
 from serve_app.config import RouterConfig  # noqa: E402
 from serve_app.follower import FleetFollower, WorkerRecord  # noqa: E402
 from serve_app.router import RouterCore  # noqa: E402
 from sim import tokenizer  # noqa: E402
 from sim.config import EngineConfig  # noqa: E402
-from sim.engine import Batch, Engine, KvReport, NullListener  # noqa: E402
+from sim.engine import Batch, BatchKind, Engine, KvReport, NullListener, SimRequest  # noqa: E402
 
 PARAMS = {"shared_prefix": SP, "multi_turn": MT, "no_sharing": NS, "mooncake": MC}
 ENGINES = {"mooncake": MC_ENGINE}
@@ -116,38 +127,117 @@ class _W:
     batch_end: float = 0.0
     reports: list[KvReport] = field(default_factory=list)
     last_report_at: float = float("-inf")
+    # why the batch in flight was formed with requests left waiting: "" (none left), "prefill"
+    # (they queue behind it), "kv" / "slots" (decode: the queue's head could not be admitted)
+    blocked: str = ""
+    left_waiting: set[str] = field(default_factory=set)  # ids of the requests it left waiting
+    transit: list[tuple[float, str, list[int], int]] = field(default_factory=list)  # routed, not landed
 
 
 _PROBE = "__routesim_oracle_probe__"
 
 
-def first_token_at(w: _W, now: float, net_s: float, ids: list[int], max_tokens: int) -> float:
-    """When a request sent to `w` now would get its first token if nothing else arrived: a copy
-    of the engine and its batch in flight is run forward with the request added (the `oracle`)."""
-    engine, batch = copy.deepcopy((w.engine, w.batch if w.busy else None))
-    engine.listener = NullListener()
-    arrive = now + net_s
+def fork(engine: Engine, batch: Batch | None) -> tuple[Engine, Batch | None]:
+    """An independent copy of `engine` (and of its batch in flight) to run forward: what
+    `copy.deepcopy` gives, twenty times faster (prompts and cached token tuples are shared, never
+    mutated), with a listener that hears nothing."""
+    e = copy.copy(engine)
+    e.listener = NullListener()
+    pool = e.pool = copy.copy(engine.pool)
+    pool.cached = {d: copy.copy(pg) for d, pg in engine.pool.cached.items()}
+    pool._heap = list(engine.pool._heap)
+    pool.events = []
+    twin: dict[int, SimRequest] = {}
+
+    def clone(r: SimRequest) -> SimRequest:
+        c = twin.get(id(r))
+        if c is None:
+            c = twin[id(r)] = copy.copy(r)
+            c.output_ids, c.chain = list(r.output_ids), list(r.chain)
+            if r._outputs is not None:
+                c._outputs = copy.copy(r._outputs)
+                c._outputs._rng = random.Random()
+                c._outputs._rng.setstate(r._outputs._rng.getstate())
+        return c
+
+    e.waiting = type(engine.waiting)(map(clone, engine.waiting))
+    e.running = list(map(clone, engine.running))
+    e.requests = {rid: clone(r) for rid, r in engine.requests.items()}
+    b = None
+    if batch is not None:
+        b = copy.copy(batch)
+        b.reqs = list(map(clone, batch.reqs))
+    e._in_flight = b if engine._in_flight is not None else None
+    return e, b
+
+
+Arrival = tuple[float, str, list[int], int]  # (lands at, request id, prompt ids, max_tokens)
+
+
+def forecast(w: _W, now: float, arrivals: list[Arrival]) -> dict[str, float]:
+    """First-token times of every request on `w` that has none yet and of each of `arrivals` (in
+    landing order) if nothing else arrived: a copy of the engine with its batch in flight is run
+    forward, the arrivals submitted as routesim's event loop would, until all of them have one
+    (the oracles' perfect information)."""
+    engine, batch = fork(w.engine, w.batch if w.busy else None)
     t, end = now, (w.batch_end if batch is not None else None)
-    probe_in = False
-    while True:
+    todo = {r.rid for r in engine.requests.values() if r.first_token_time is None}
+    todo.update(a[1] for a in arrivals)
+    queue = deque(arrivals)
+    eta: dict[str, float] = {}
+    while todo:
         if end is None:
             batch = engine.schedule(t)
             if batch is None:
-                if probe_in:
-                    raise RuntimeError("the engine went idle with the probe queued")
-                t = arrive  # idle until the request lands
-                engine.submit(_PROBE, ids, max_tokens, arrive)
-                probe_in = True
+                if not queue:
+                    raise RuntimeError("the engine went idle with requests queued")
+                at, rid, ids, mx = queue.popleft()  # idle until it lands
+                t = max(t, at)
+                engine.submit(rid, ids, mx, t)
                 batch = engine.schedule(t)
                 assert batch is not None
             end = t + batch.duration
-        if not probe_in and end > arrive:  # lands while this batch runs
-            engine.submit(_PROBE, ids, max_tokens, arrive)
-            probe_in = True
+        while queue and queue[0][0] < end:  # lands while this batch runs
+            at, rid, ids, mx = queue.popleft()
+            engine.submit(rid, ids, mx, at)
         for out in engine.complete(batch, end):
-            if out.rid == _PROBE and out.index == 0:
-                return end
+            if out.index == 0 and out.rid in todo:
+                todo.discard(out.rid)
+                eta[out.rid] = end
         t, end = end, None
+    return eta
+
+
+def first_token_at(w: _W, now: float, net_s: float, ids: list[int], max_tokens: int) -> float:
+    """When a request sent to `w` now would get its first token if nothing else arrived (`oracle`)."""
+    return forecast(w, now, [*w.transit, (now + net_s, _PROBE, ids, max_tokens)])[_PROBE]
+
+
+def marginal_delay(w: _W, now: float, net_s: float, ids: list[int], max_tokens: int) -> float:
+    """How much a request sent to `w` now adds to the sum of first-token times there (its own
+    wait plus the delay it causes every request there still before its first token), if nothing
+    else arrived (`oracle_sum`)."""
+    base = forecast(w, now, w.transit)
+    eta = forecast(w, now, [*w.transit, (now + net_s, _PROBE, ids, max_tokens)])
+    return (eta.pop(_PROBE) - now) + sum(eta[r] - base[r] for r in eta)
+
+
+# Where a request's time to first token goes (simulated seconds; they sum to its TTFT):
+PARTS = (
+    "net",  # router → engine and first token → client
+    "in_flight_decode",  # arrived during a decode step (batches run to completion)
+    "in_flight_prefill",  # arrived during another prefill batch
+    "prefill_ahead",  # queued while prefill batches of requests ahead of it ran
+    "kv_admission",  # queued while decode steps ran: the queue's head did not fit in free KV
+    "slots",  # the same, for want of a running slot
+    "own_prefill",  # its batch's launch cost + its own uncached tokens
+    "cobatch",  # the other prompts prefilled in its batch
+)
+
+
+# perfect-information yardsticks: name → the figure they minimise over the workers (module docstring)
+ORACLES: dict[str, Callable[[_W, float, float, list[int], int], float]] = {
+    "oracle": first_token_at, "oracle_sum": marginal_delay}
 
 
 @dataclass
@@ -162,6 +252,8 @@ class Result:
     first_send: float
     last_end: float
     per_worker: dict[str, int]
+    parts: list[dict[str, float]] = field(default_factory=list)  # per measured request, as `ttft`
+    served_by: list[str] = field(default_factory=list)  # per measured request, as `ttft`
 
     def summary(self) -> dict[str, float]:
         q = statistics.quantiles(self.ttft, n=100) if len(self.ttft) > 1 else [0.0] * 99
@@ -173,6 +265,14 @@ class Result:
             "spread": max(self.per_worker.values()) / max(1e-9, statistics.mean(self.per_worker.values())),
         }
 
+    def breakdown(self, lo: float = 0.0, hi: float = 1.0) -> dict[str, float]:
+        """Mean of each of `PARTS` (ms) over the measured requests whose TTFT rank is in [lo, hi)."""
+        order = sorted(range(len(self.ttft)), key=self.ttft.__getitem__)
+        sel = order[int(lo * len(order)):max(int(lo * len(order)) + 1, int(hi * len(order)))]
+        out = {k: statistics.mean(self.parts[i].get(k, 0.0) for i in sel) * 1e3 for k in PARTS}
+        out["ttft"] = statistics.mean(self.ttft[i] for i in sel) * 1e3
+        return out
+
 
 async def _no_aggregator() -> Any:
     raise RuntimeError("routesim feeds the follower by hand")
@@ -180,7 +280,8 @@ async def _no_aggregator() -> Any:
 
 def run(workload: str, rate: float, duration_s: float, policy: str, *, seed: int = 1, workers: int = 4,
         knobs: Knobs | None = None, kv_aware: dict[str, Any] | None = None, warmup_s: float = 0.0,
-        engine: dict[str, Any] | None = None, params: dict[str, Any] | None = None) -> Result:
+        engine: dict[str, Any] | None = None, params: dict[str, Any] | None = None,
+        router: dict[str, Any] | None = None) -> Result:
     """Drive one trace through `workers` simulated engines routed by `policy`."""
     k = knobs or Knobs()
     eng = {**ENGINES.get(workload, ENGINE), **(engine or {})}
@@ -212,8 +313,8 @@ def run(workload: str, rate: float, duration_s: float, policy: str, *, seed: int
     clock: Callable[[], float] = lambda: now  # noqa: E731
     # kvroute's own decision plane, fed by hand instead of by the aggregator
     follower = FleetFollower(_no_aggregator)
-    core = RouterCore(RouterConfig(policy="kv_aware" if policy in ("cache_aware", "oracle") else policy,
-                                   kv_aware=kv_aware or {}, seed=seed), follower, "sim", clock=clock)
+    core = RouterCore(RouterConfig(policy="kv_aware" if policy in ("cache_aware", *ORACLES) else policy,
+                                   kv_aware=kv_aware or {}, seed=seed, **(router or {})), follower, "sim", clock=clock)
 
     def update(name: str, metrics: dict[str, Any] | None, produced: float | None, state: str) -> None:
         follower.workers[name] = WorkerRecord(name=name, url=name, page_size=cfg.page_size, state=state,
@@ -240,7 +341,29 @@ def run(workload: str, rate: float, duration_s: float, policy: str, *, seed: int
         batch = w.engine.schedule(now)
         if batch is not None:
             w.busy, w.batch, w.batch_end = True, batch, now + batch.duration
+            e = w.engine
+            w.blocked = "" if not e.waiting else "prefill" if batch.kind is BatchKind.PREFILL else \
+                "slots" if len(e.running) >= e.config.max_running_requests else "kv"
+            w.left_waiting = {q.rid for q in e.waiting}
             at(now + batch.duration, "complete", (w.name, batch))
+
+    def account(w: _W, batch: Batch) -> None:
+        """Charge the batch that just ended to the requests it kept waiting or prefilled (`PARTS`)."""
+        for q in w.engine.waiting:
+            if q.rid not in w.left_waiting:
+                key, start = "in_flight_" + batch.kind.value, q.arrival
+            else:
+                key, start = ("prefill_ahead" if w.blocked == "prefill" else
+                              "kv_admission" if w.blocked == "kv" else "slots"), batch.start
+            parts = info[q.rid]["parts"]
+            parts[key] = parts.get(key, 0.0) + now - start
+        if batch.kind is BatchKind.PREFILL:
+            for q in batch.reqs:
+                own = cfg.prefill_base_s + (0 if q.prefilled else
+                                            cfg.prefill_per_token_s * (len(q.input_ids) - q.cached_tokens))
+                parts = info[q.rid]["parts"]
+                parts["own_prefill"] = own
+                parts["cobatch"] = batch.duration - own
 
     def state_of(n: str) -> str:
         return "live" if now - ws[n].last_report_at <= k.idle_after_s else "idle"
@@ -252,9 +375,9 @@ def run(workload: str, rate: float, duration_s: float, policy: str, *, seed: int
             msgs = build_messages(s, turn, replies[s.sid])
             body = {"model": "m", "messages": msgs, "max_tokens": s.turns[turn].max_tokens, "stream": True}
             rid = f"{s.sid}/{turn}"
-            if policy == "oracle":
+            if policy in ORACLES:
                 ids = tokenizer.apply_chat_template(msgs)
-                eta = {n: first_token_at(ws[n], now, k.net_s, ids, s.turns[turn].max_tokens) for n in names}
+                eta = {n: ORACLES[policy](ws[n], now, k.net_s, ids, s.turns[turn].max_tokens) for n in names}
                 first = min(eta.values())
                 name = rng.choice([n for n in names if eta[n] <= first + 1e-9])
             elif pol is not None:
@@ -273,19 +396,22 @@ def run(workload: str, rate: float, duration_s: float, policy: str, *, seed: int
             ids = tokenizer.apply_chat_template(msgs)
             measured = s.start_s >= warmup_s
             info[rid] = {"sent": now, "session": s, "turn": turn, "worker": name, "measured": measured,
-                         "out": [], "n_prompt": len(ids)}
+                         "out": [], "n_prompt": len(ids), "parts": {"net": 2 * k.net_s}}
             res.per_worker[name] += 1
             if measured:
                 res.first_send = min(res.first_send, now)
+            ws[name].transit.append((now + k.net_s, rid, ids, s.turns[turn].max_tokens))
             at(now + k.net_s, "submit", (name, rid, ids, s.turns[turn].max_tokens))
         elif kind == "submit":
             name, rid, ids, mx = p
+            ws[name].transit = [a for a in ws[name].transit if a[1] != rid]
             info[rid]["req"] = ws[name].engine.submit(rid, ids, mx, now)
             kick(ws[name])
         elif kind == "complete":
             name, batch = p
             w = ws[name]
             w.busy = False
+            account(w, batch)
             for out in w.engine.complete(batch, now):
                 r = info[out.rid]
                 if out.token_id is not None:
@@ -310,6 +436,8 @@ def run(workload: str, rate: float, duration_s: float, policy: str, *, seed: int
             if r["measured"]:
                 res.requests += 1
                 res.ttft.append(r.get("ttft", now - r["sent"]))
+                res.parts.append(r["parts"])
+                res.served_by.append(r["worker"])
                 res.e2e.append(now - r["sent"])
                 res.last_end = max(res.last_end, now)
                 res.prompt += r["n_prompt"]
@@ -328,11 +456,15 @@ def run(workload: str, rate: float, duration_s: float, policy: str, *, seed: int
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", default="shared_prefix", choices=sorted(PARAMS))
-    ap.add_argument("--rates", default="12,24,30")
+    ap.add_argument("--workload", default=None, choices=sorted(PARAMS),
+                    help="default: shared_prefix, or every workload of --suite")
+    ap.add_argument("--suite", default=None, choices=sorted(SUITES),
+                    help="each workload of this bench.run suite at its rates, with its engine and parameters")
+    ap.add_argument("--rates", default=None, help="default: 12,24,30, or the suite's")
     ap.add_argument("--duration", type=float, default=60.0, help="arrival window, simulated seconds")
     ap.add_argument("--warmup", type=float, default=5.0, help="sessions starting earlier are not measured")
-    ap.add_argument("--policies", default="kv_aware,cache_aware,round_robin,least_loaded")
+    ap.add_argument("--policies", default="kv_aware,cache_aware,round_robin,least_loaded",
+                    help=f"kvroute policies, cache_aware (the model) or the yardsticks {', '.join(ORACLES)}")
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--net", type=float, default=Knobs.net_s, metavar="S",
                     help="router → worker (and back) transit, simulated seconds; a starved router's dispatch lag")
@@ -342,24 +474,50 @@ def main() -> int:
                     help="engine report → router's view (the metrics plane's lag), simulated seconds")
     ap.add_argument("--kv", action="append", default=[], metavar="KNOB=VALUE",
                     help="a kv_aware knob for every kv_aware run, e.g. --kv tolerance=0.5")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="then where the TTFT went (PARTS, ms) for the median band (p40-p60) and the tail (≥ p99)")
     ns = ap.parse_args()
     kv = {a.split("=", 1)[0]: float(a.split("=", 1)[1]) for a in ns.kv}
-    print(f"# routesim: {ns.workload}, {ns.duration:g} s window (warm-up {ns.warmup:g} s), "
-          f"engine {ENGINES.get(ns.workload, ENGINE)}, kv_aware overrides {kv or 'none'}\n")
-    print("| policy | rate | req/s | TTFT p50 ms | p99 ms | E2E p50 ms | hit % | spread |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for rate in [float(x) for x in ns.rates.split(",")]:
+    cells: list[tuple[str, float, dict[str, Any] | None, dict[str, Any] | None]] = []
+    if ns.suite:
+        suite = SUITES[ns.suite]
+        for wl, spec in suite["workloads"].items():
+            if ns.workload in (None, wl):
+                for rate in ([float(x) for x in ns.rates.split(",")] if ns.rates else spec["rates"]):
+                    cells.append((wl, float(rate), spec["params"], suite["engine"]))
+    else:
+        wl = ns.workload or "shared_prefix"
+        cells = [(wl, float(x), None, None) for x in (ns.rates or "12,24,30").split(",")]
+    print(f"# routesim: {ns.suite + ' suite' if ns.suite else cells[0][0]}, {ns.duration:g} s window "
+          f"(warm-up {ns.warmup:g} s), engine {cells[0][3] or ENGINES.get(cells[0][0], ENGINE)}, "
+          f"kv_aware overrides {kv or 'none'}\n")
+    print("| policy | workload | rate | req/s | TTFT p50 ms | p99 ms | E2E p50 ms | hit % | spread |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    parts: list[str] = []
+    for wl, rate, params, engine in cells:
         for pol in ns.policies.split(","):
             t0 = time.perf_counter()
-            rows = [run(ns.workload, rate, ns.duration, pol, seed=s + 1, kv_aware=kv, warmup_s=ns.warmup,
-                        knobs=Knobs(net_s=ns.net, report_delay_s=ns.report_delay,
-                                    report_date_bias_s=ns.report_date_bias)).summary()
-                    for s in range(ns.seeds)]
+            res = [run(wl, rate, ns.duration, pol, seed=s + 1, kv_aware=kv, warmup_s=ns.warmup,
+                       engine=engine, params=params,
+                       knobs=Knobs(net_s=ns.net, report_delay_s=ns.report_delay,
+                                   report_date_bias_s=ns.report_date_bias))
+                   for s in range(ns.seeds)]
+            rows = [r.summary() for r in res]
             m = {key: statistics.mean(r[key] for r in rows) for key in rows[0]}
-            print(f"| {pol} | {rate:g} | {m['req/s']:.1f} | {m['ttft_p50_ms']:.0f} | {m['ttft_p99_ms']:.0f} | "
+            print(f"| {pol} | {wl} | {rate:g} | {m['req/s']:.1f} | {m['ttft_p50_ms']:.0f} | {m['ttft_p99_ms']:.0f} | "
                   f"{m['e2e_p50_ms']:.0f} | {m['hit'] * 100:.0f} | {m['spread']:.2f} |"
                   f"  <!-- {time.perf_counter() - t0:.1f} s -->")
+            for band, lo, hi in (("p40-p60", 0.4, 0.6), ("≥ p99", 0.99, 1.0)):
+                b = [r.breakdown(lo, hi) for r in res]
+                parts.append(f"| {pol} | {wl} | {rate:g} | {band} | {statistics.mean(x['ttft'] for x in b):.0f} | "
+                             + " | ".join(f"{statistics.mean(x[k] for x in b):.0f}" for k in PARTS) + " |")
             sys.stdout.flush()
+    if ns.breakdown:
+        print("\nWhere the time to first token went (mean ms over the requests of the band; `PARTS` in "
+              "bench/routesim.py):\n")
+        print("| policy | workload | rate | band | TTFT | " + " | ".join(PARTS) + " |")
+        print("|---|---|---:|---|---:|" + "---:|" * len(PARTS))
+        print("\n".join(parts))
     return 0
 
 

@@ -45,8 +45,11 @@ because its conversations are between turns.
 `prefilling` counts this router's requests on w not yet past their first token: a prompt sent
 there joins their prefill batch (SGLang prefills every waiting prompt that fits in one batch, and
 each gets its first token when the batch ends), so its new blocks delay each of them as much as
-itself. Pricing only its own wait is what made a greedy pick — even one with perfect information —
-stack consecutive cold prompts into one batch on real traffic (`bench/results/mooncake.md`).
+itself. Pricing only its own wait stacks consecutive cold prompts into one batch on real traffic:
+with perfect information, a greedy pick's median first token on the Mooncake replay is 221 ms, one
+that prices the sum 175 ms (`bench/results/routesim-mooncake.md`). The weights are such that the
+prompt-independent terms (KV held, hot set) do not drown the prefill queued ahead: on that traffic
+the median request waits longer for the prompts in its batch than for its own prefill.
 `recent_finished` counts requests that finished on w within the ledger's follow-up window (an
 older, noisier estimate of the same thing; `followup_weight` is 0 by default).
 
@@ -106,8 +109,12 @@ class KvAwareConfig(BaseModel):
     kv_overflow_weight: float = Field(
         4.0, ge=0, description="extra cost per block over the watermark (the engine would queue, evict "
         "or retract)")
+    # evidence (with live_weight 1, kv_weight 0.25): virtual-time Mooncake replay TTFT p50 / p99 at
+    # 16 / 20 / 24 req/s 228 / 938, 254 / 1,048, 286 / 1,197 → 205 / 928, 224 / 996, 259 / 1,115 ms
+    # (2 seeds), 36 req/s 30.6 → 31.8 req/s; designed workloads unchanged at the suites' rates
+    # (bench/results/routesim-mooncake.md, 2026-12-04)
     tolerance: float = Field(
-        1.0, ge=0, description="relative slack of the near-minimum set: workers within "
+        0.25, ge=0, description="relative slack of the near-minimum set: workers within "
         "c*·(1 + tolerance) + tolerance_blocks count as near the cheapest, and the affine one among "
         "them wins")
     tolerance_blocks: float = Field(8.0, ge=0, description="absolute slack of the near-minimum set, in blocks")
@@ -119,8 +126,11 @@ class KvAwareConfig(BaseModel):
     eviction_weight: float = Field(
         5.0, ge=0, description="cost per hot cached block a prompt would evict: it is prefilled again "
         "when its prefix comes back (the default is one prefill: prefill_weight + 1 for its KV)")
+    # 1 (was 4): on real traffic (single-turn Mooncake prompts) the hot set is mostly prompts sent once,
+    # not live sessions, and at 4 its differences between workers (thousands of blocks) outweighed the
+    # prefill queued ahead, so a burst of cold prompts went into one worker's prefill batch
     live_weight: float = Field(
-        4.0, ge=0, description="cost per hot block of the worker times this prompt's cold share "
+        1.0, ge=0, description="cost per hot block of the worker times this prompt's cold share "
         "(new / P): each live session there waits behind the new prefill")
     # evidence: virtual-time Mooncake replay at 16 / 20 / 24 req/s, TTFT p50 266 → 236, 282 → 249,
     # 311 → 299 ms; p99 969 → 891, 996 → 1,112, 1,126 → 1,234, still below round-robin's
@@ -130,8 +140,10 @@ class KvAwareConfig(BaseModel):
         "request on the worker still before its first token (this router's, plus the reported waiting "
         "ones) waits for its new blocks too, so each new block costs "
         "prefill_weight·(1 + cobatch_weight·those requests); 0 prices only the prompt's own wait")
+    # 0.25 (was 1): KV held by decoding requests delays no first token until the pool is near full
+    # (the watermark term prices that); at 1 it too outweighed the prefill queued ahead
     kv_weight: float = Field(
-        1.0, ge=0, description="cost per KV block held (the report's kv_active_blocks plus this "
+        0.25, ge=0, description="cost per KV block held (the report's kv_active_blocks plus this "
         "router's pending ones) and per new block this prompt allocates")
     # evidence: live_weight is steadier (virtual-time multi-turn TTFT p50 79 → 27 ms at 16 req/s,
     # bench/results/routesim.md)

@@ -233,11 +233,11 @@ def test_decision_reason_states_overlap_and_cost():
 def test_idle_workers_stale_busy_report_is_not_load_but_its_in_flight_is():
     ledger = Ledger(clock=lambda: 0.0)
     stale = worker("stale", "idle", running=16, waiting=9, kv_active_blocks=4000)
-    live = worker("live", running=3, kv_active_blocks=300)
+    live = worker("live", running=3, kv_active_blocks=1500)
     pick = KvAware().choose(req(), [ledger.apply(stale), ledger.apply(live)], random.Random(0))
     assert pick.worker == "stale"  # its last (busy) report is not load any more
     for i in range(6):
-        ledger.on_routed(f"r{i}", "stale", 64)
+        ledger.on_routed(f"r{i}", "stale", 512)
         ledger.on_first_token(f"r{i}")
     ledger.on_report("stale", 10.0)  # even a report would not make these invisible: it's idle
     pick = KvAware().choose(req(), [ledger.apply(stale), ledger.apply(live)], random.Random(0))
@@ -245,10 +245,28 @@ def test_idle_workers_stale_busy_report_is_not_load_but_its_in_flight_is():
 
 
 def test_kv_over_the_high_watermark_is_penalised():
-    ws = [worker("full", kv_active_blocks=3900), worker("roomy", kv_active_blocks=3200, waiting=6)]
+    ws = [worker("full", kv_active_blocks=3900), worker("roomy", kv_active_blocks=3200, waiting=2)]
     assert KvAware().choose(req(1024), ws, random.Random(0)).worker == "roomy"
     cfg = KvAwareConfig(kv_overflow_weight=0.0, turn_tolerance=0.0)  # (costs 12 % apart: no turns)
     assert KvAware(cfg).choose(req(1024), ws, random.Random(0)).worker == "full"
+
+
+def test_a_burst_of_cold_prompts_is_not_stacked_into_one_prefill_batch_by_a_hot_set_difference():
+    """Three 200-block prompts arrive at once (the Mooncake trace's bursts); two workers differ only in
+    their hot sets (3,000 vs 5,000 blocks, mostly prompts sent once). All three on w0 share one prefill
+    batch — each first token waits for 600 blocks — while two there and one on w1 wait 400 and 200.
+    With live_weight 4 / kv_weight 1 / tolerance 1 the hot-set difference (8,000) outweighed the
+    prefill queued ahead and all three went to w0."""
+    ledger = Ledger(clock=lambda: 0.0)
+    views = [worker(name, total_slots=128, kv_total_blocks=3125, kv_active_blocks=1500, running=8,
+                    hot_blocks=hot, reused_blocks=200) for name, hot in (("w0", 3000), ("w1", 5000))]
+    policy, rng, got = KvAware(), random.Random(0), []
+    for i in range(3):
+        r = req(200 * 16)
+        d = policy.choose(r, [ledger.apply(v) for v in views], rng)
+        ledger.on_routed(f"r{i}", d.worker, r.prompt_blocks)
+        got.append(d.worker)
+    assert sorted(Counter(got).values()) == [1, 2]
 
 
 def test_a_cold_prompt_goes_where_it_evicts_no_reused_prefix():
