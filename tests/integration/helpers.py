@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -88,3 +89,47 @@ class BrokenWorker:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+@contextlib.contextmanager
+def pd_pair_app(tag: str, serve_port: int, tmp, dp_size: int = 1):
+    """A prefill and a decode sim (`{tag}-prefill`, `{tag}-decode`, model `{tag}-model`, `dp_size`
+    ranks each) as managed workers behind kvroute's Serve app at `/{tag}`; yields (client, fleet)
+    once both are up with their roles, and removes everything after."""
+    import httpx
+    import ray
+    from ray import serve
+
+    from actors.aggregator import get_or_create_aggregator
+    from actors.fleet import parse_fleet
+    from actors.worker_actor import start_worker_actor
+    from serve_app.app import build_app
+    from sim.launch import free_port
+
+    names = {f"{tag}-prefill": "prefill", f"{tag}-decode": "decode"}
+    sim = {"engine": "sim", "page_size": 16, "model": f"{tag}-model", "engine_args": {"time_scale": 0.05},
+           **({"dp_size": dp_size} if dp_size > 1 else {})}
+    fleet = parse_fleet({"workers": [
+        {"name": f"{tag}-prefill", "role": "prefill", "bootstrap_port": free_port(),
+         "metrics_endpoint": f"ipc://{tmp}/p.metrics", **sim},
+        {"name": f"{tag}-decode", "role": "decode", "metrics_endpoint": f"ipc://{tmp}/d.metrics", **sim},
+    ]})
+    actors = {w.name: start_worker_actor(w, fleet.settings, name_prefix=f"{tag}-") for w in fleet.workers}
+    ray.get([a.ready.remote() for a in actors.values()], timeout=120)
+    serve.run(build_app({"fleet": fleet.model_dump(mode="json"), "router": {"policy": "kv_aware"}}),
+              name=tag, route_prefix=f"/{tag}")
+    client = httpx.Client(base_url=f"http://127.0.0.1:{serve_port}/{tag}", timeout=60)
+    try:
+        wait_for(lambda: {(w["name"], w["role"], w["dp_size"]) for w in client.get("/workers").json()["workers"]
+                          if w["name"] in names and w["state"] != "down"}
+                 == {(n, role, dp_size) for n, role in names.items()},
+                 60, what=f"both PD workers up with their roles and {dp_size} rank(s)")
+        yield client, fleet
+    finally:
+        client.close()
+        serve.delete(tag)
+        ray.get([a.stop.remote() for a in actors.values()], timeout=30)
+        for a in actors.values():
+            ray.kill(a, no_restart=True)
+        agg = get_or_create_aggregator(fleet.settings)
+        ray.get([agg.remove.remote(n) for n in names], timeout=30)

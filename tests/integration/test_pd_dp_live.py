@@ -10,48 +10,16 @@ from collections import Counter
 import httpx
 import pytest
 
-from actors.fleet import parse_fleet
-from sim.launch import free_port
-from tests.integration.helpers import wait_for
+from tests.integration.helpers import pd_pair_app, wait_for
 
 pytestmark = pytest.mark.ray
-PREFIX = "/pddp"
 NAMES = {"pddp-prefill", "pddp-decode"}
 
 
 @pytest.fixture(scope="module")
 def env(ray_cluster, serve_port, tmp_path_factory):
-    import ray
-    from ray import serve
-
-    from actors.aggregator import get_or_create_aggregator
-    from actors.worker_actor import start_worker_actor
-    from serve_app.app import build_app
-
-    tmp = tmp_path_factory.mktemp("pddp")
-    sim = {"engine": "sim", "page_size": 16, "model": "pddp-model", "dp_size": 2, "engine_args": {"time_scale": 0.05}}
-    fleet = parse_fleet({"workers": [
-        {"name": "pddp-prefill", "role": "prefill", "bootstrap_port": free_port(),
-         "metrics_endpoint": f"ipc://{tmp}/p.metrics", **sim},
-        {"name": "pddp-decode", "role": "decode", "metrics_endpoint": f"ipc://{tmp}/d.metrics", **sim},
-    ]})
-    actors = {w.name: start_worker_actor(w, fleet.settings, name_prefix="pddp-") for w in fleet.workers}
-    ray.get([a.ready.remote() for a in actors.values()], timeout=120)
-    serve.run(build_app({"fleet": fleet.model_dump(mode="json"), "router": {"policy": "kv_aware"}}),
-              name="pddp", route_prefix=PREFIX)
-    client = httpx.Client(base_url=f"http://127.0.0.1:{serve_port}{PREFIX}", timeout=60)
-    wait_for(lambda: {(w["name"], w["role"], w["dp_size"]) for w in client.get("/workers").json()["workers"]
-                      if w["name"] in NAMES and w["state"] != "down"}
-             == {("pddp-prefill", "prefill", 2), ("pddp-decode", "decode", 2)},
-             60, what="both PD workers up with their roles and 2 ranks")
-    yield {"client": client, "fleet": fleet}
-    client.close()
-    serve.delete("pddp")
-    ray.get([a.stop.remote() for a in actors.values()], timeout=30)
-    for a in actors.values():
-        ray.kill(a, no_restart=True)
-    agg = get_or_create_aggregator(fleet.settings)
-    ray.get([agg.remove.remote(n) for n in NAMES], timeout=30)
+    with pd_pair_app("pddp", serve_port, tmp_path_factory.mktemp("pddp"), dp_size=2) as (client, fleet):
+        yield {"client": client, "fleet": fleet}
 
 
 def chat(i: int, **extra) -> dict:
