@@ -133,3 +133,19 @@ def pd_pair_app(tag: str, serve_port: int, tmp, dp_size: int = 1):
             ray.kill(a, no_restart=True)
         agg = get_or_create_aggregator(fleet.settings)
         ray.get([agg.remove.remote(n) for n in names], timeout=30)
+
+
+def wait_for_chat(base: str, model: str, timeout_s: float = 240) -> None:
+    """Until `base`/v1/chat/completions answers a 2-token chat for `model` with 200 (a Serve app
+    whose replicas are still starting refuses or errors meanwhile)."""
+    import httpx
+
+    def ready() -> bool:
+        try:
+            r = httpx.post(f"{base}/v1/chat/completions", timeout=10, json={
+                "model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 2})
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 200
+
+    wait_for(ready, timeout_s, interval_s=1.0, what=f"{base} answering a chat for {model}")

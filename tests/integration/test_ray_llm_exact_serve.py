@@ -15,7 +15,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from tests.integration.helpers import wait_for
+from tests.integration.helpers import wait_for, wait_for_chat
 
 pytestmark = pytest.mark.sglang
 
@@ -85,15 +85,7 @@ def exact_app(ray_cluster, serve_port):
     serve.run(openai_app(cfg), name=APP, route_prefix=f"/{APP}", blocking=False)
     base = f"http://127.0.0.1:{serve_port}/{APP}"
 
-    def ready() -> bool:
-        try:
-            r = httpx.post(f"{base}/v1/chat/completions", timeout=10, json={
-                "model": MODEL, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 2})
-        except httpx.HTTPError:
-            return False
-        return r.status_code == 200
-
-    wait_for(ready, 240, interval_s=1.0, what="the Serve LLM app answering")
+    wait_for_chat(base, MODEL)
     wait_for(lambda: sum(w.kv_events_actor is not None for w in _live().values()) >= REPLICAS, 60, interval_s=0.5,
              what="every replica registered with its KV-log actor")
     yield base
