@@ -11,6 +11,15 @@ is this machine, else this node's Ray IP (the cluster's private interface). Ever
 carry the aggregator's token (128 random bits, handed out only through Ray's authenticated actor
 calls, kept across restarts) and decode as exactly one typed message; anything else is counted and
 dropped. The PUB stream carries the fleet view (worker URLs and load), no secrets.
+
+It also hosts the attach-mode workers placed on its own node (`actors.hosting.NodeHosting`, the same
+class a node's `MetricsHost` runs): their SGLang PULLs, /health probes and one batched frame per
+window, handed to the registry in-process (`LocalLink`) — no host process and no ZeroMQ hop on the
+aggregator's node. Their specs are remembered in Ray's internal KV: Ray restarting the aggregator
+re-binds them in the new incarnation (their frames in between are lost; the newest after the
+re-bind is what counts). If it restarts on another node (its node died), it does not host them
+there — an ipc endpoint is node-local: they go to their node's `MetricsHost` if that node is alive,
+else they died with it and are forgotten.
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ import ray
 import zmq
 import zmq.asyncio
 
+from actors.fleet import WorkerSpec
+from actors.hosting import HostingCalls, LocalLink, NodeHosting, remember, remembered
 from actors.models import NAMESPACE, Settings
 from actors.protocol import (
     MAX_INGEST_FRAME_BYTES, AggregatorStats, Endpoints, HostFrame, InFlightShare, ProtocolError, decode_ingest,
@@ -42,6 +53,7 @@ logger = logging.getLogger("kvroute.aggregator")
 AGGREGATOR_NAME = "kvroute-aggregator"
 _PORTS_KEY = b"kvroute-aggregator-ports"  # Ray internal KV: where the last incarnation listened
 _DRAIN_BATCH = 4096
+_HOSTED_KEY = "kvroute-aggregator-workers"  # Ray internal KV: the workers it hosts for its node
 
 
 def _node_ip() -> str:
@@ -98,10 +110,10 @@ def _bind(sock: zmq.Socket, host: str, port: int | None) -> int:
 # max_task_retries=-1: calls made while Ray restarts it wait for the new incarnation instead of
 # failing (every method is idempotent), so snapshots and endpoint look-ups resume when it is back.
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
-class Aggregator:
+class Aggregator(HostingCalls):
     """Named, detached, restartable. Holds only soft state: after a restart (same token, same ports
     when free) the workers' next reports (≤ `heartbeat_s`) make it whole, and the new epoch in the
-    published deltas tells routers to resync."""
+    published deltas tells routers to resync. Hosts its own node's workers (`HostingCalls`)."""
 
     def __init__(self, settings: dict[str, Any] | None = None, token: str | None = None) -> None:
         self.settings = Settings.model_validate(settings or {})
@@ -127,9 +139,74 @@ class Aggregator:
         self.refused: Counter = Counter()
         self.published = 0
         self.published_bytes = 0
+        self._last_pub = 0.0
+        self._flush: asyncio.TimerHandle | None = None
         loop = asyncio.get_running_loop()
         self._task = loop.create_task(self._loop())
+        self._host_own_node()
         logger.info("aggregator up, epoch %s, listening on %s", self._registry.epoch, self._bound)
+
+    def _host_own_node(self) -> None:
+        """Host this node's workers in-process; after a restart, the ones remembered (see the module
+        docstring for a restart on another node)."""
+        node = ray.get_runtime_context().get_node_id()
+        self._hosting = NodeHosting(AGGREGATOR_NAME, node, self.settings, self._ctx, LocalLink(self._local_frame),
+                                    deregister=self.remove, remember=lambda specs: remember(_HOSTED_KEY, node, specs))
+        was_on, specs = remembered(_HOSTED_KEY)
+        if specs and was_on not in (None, node):
+            self._hand_off(was_on, specs)
+            specs = []
+            remember(_HOSTED_KEY, node, [])
+        for spec in specs:
+            try:
+                self._hosting.add(WorkerSpec.model_validate(spec))
+            except Exception as exc:
+                logger.error("cannot host worker %s again after a restart: %s", spec.get("name"), exc)
+        self._hosting.start()
+
+    def _hand_off(self, node: str, specs: list[dict[str, Any]]) -> None:
+        """Restarted on another node: `specs` were hosted on `node`; its own metrics host takes them if
+        `node` is alive (created pinned to it), else they died with it."""
+        try:
+            alive = any(n["NodeID"] == node and n.get("Alive") for n in ray.nodes())
+        except Exception:
+            alive = False
+        names = [s.get("name") for s in specs]
+        if not alive:
+            logger.warning("restarted away from node %s, which is gone: its workers %s went with it", node, names)
+            return
+        from actors.metrics_host import get_or_create_host
+
+        host = get_or_create_host(node, self.settings)
+        for spec in specs:
+            host.add_worker.remote(spec)  # not awaited: the new host reports them as soon as it binds
+        logger.warning("restarted away from node %s: its workers %s handed to that node's metrics host", node, names)
+
+    # --- this node's hosted workers: frames in-process ------------------------------------------
+
+    def _local_frame(self, host: str, incarnation: str, workers: list[str], reports: list[Any]) -> None:
+        """A frame of the hosted workers (the pipe's `LocalLink`): applied at once, published as soon
+        as `publish_interval_s` allows — the host's window was the coalescing, so no second wait."""
+        self.host_frames += 1
+        self.reports += len(reports)
+        if self._registry.host_frame(host, incarnation, workers, reports):
+            self._pending = True
+            self._publish_soon()
+
+    def _publish_soon(self) -> None:
+        if self._flush is not None:
+            return
+        wait = self.settings.publish_interval_s - (time.monotonic() - self._last_pub)
+        if wait <= 0:
+            self._publish_pending()
+        else:
+            self._flush = asyncio.get_running_loop().call_later(wait, self._publish_pending)
+
+    def _publish_pending(self) -> None:
+        self._flush = None
+        if self._pending:
+            self._publish(self._registry.take_delta() or self._registry.keepalive())
+            self._pending, self._last_pub = False, time.monotonic()
 
     def _listen(self, host: str) -> tuple[str, str]:
         if host not in self._bound:
@@ -186,7 +263,7 @@ class Aggregator:
         s, reg, sock = self.settings, self._registry, self._pull
         raw = zmq.Socket.shadow(sock.underlying)  # sync view of the same socket for cheap drains
         token = self._token.encode()
-        last_pub = last_tick = last_drain = 0.0
+        last_tick = last_drain = 0.0
         while True:
             try:
                 drained = self._drain(raw, reg, token)
@@ -197,12 +274,12 @@ class Aggregator:
                 if now - last_tick >= s.state_tick_s:
                     self._pending |= reg.tick()
                     last_tick = now
-                if self._pending and now - last_pub >= s.publish_interval_s:
+                if self._pending and now - self._last_pub >= s.publish_interval_s:
                     self._publish(reg.take_delta() or reg.keepalive())
-                    self._pending, last_pub = False, now
-                elif now - last_pub >= s.heartbeat_s:
+                    self._pending, self._last_pub = False, now
+                elif now - self._last_pub >= s.heartbeat_s:
                     self._publish(reg.keepalive())
-                    last_pub = now
+                    self._last_pub = now
                 if drained or self._pending:  # frames gather in the socket meanwhile
                     await asyncio.sleep(wait)
                 else:  # quiet: sleep until a frame arrives or the next tick is due

@@ -1,10 +1,12 @@
-"""One worker's liveness as its hosting process sees it: the HTTP /health probe and (attach mode)
-model discovery through `GET /v1/models`. Shared by the per-worker actor and the node's metrics
-host. No Ray import."""
+"""One worker's liveness as its hosting process sees it: the HTTP /health probe, when it is due
+(passive liveness: a worker whose KvMetrics frames keep arriving is alive, so it is probed only
+slowly), and (attach mode) model discovery through `GET /v1/models`. Shared by the per-worker actor
+and the node's host (a metrics host, or the aggregator for its own node). No Ray import."""
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable
 
 import httpx
@@ -30,6 +32,20 @@ class HealthProbe:
         self.healthy = False
         self.detail = "not probed yet"
         self._timeouts = 0
+        self.probed_at = float("-inf")  # when the last probe started (time.monotonic)
+        self.probes = 0
+
+    def due(self, heard_at: float | None) -> float:
+        """When the next probe is due (time.monotonic), given when the worker's newest KvMetrics frame
+        arrived. Frames prove its scheduler alive: while one arrived within `health_interval_s`, a
+        healthy worker is probed every `health_busy_interval_s` (an HTTP server can hang while the
+        scheduler publishes); silent — idle, or gone — or failing (unhealthy, a probe timed out),
+        every `health_interval_s`, so a dead worker is probed at most that long after its last frame."""
+        s = self.settings
+        active = self.probed_at + s.health_interval_s
+        if heard_at is None or not self.healthy or self._timeouts or (self._discover and not self.models):
+            return active  # (a model list still to discover is asked at each probe)
+        return max(active, min(heard_at + s.health_interval_s, self.probed_at + s.health_busy_interval_s))
 
     def set(self, healthy: bool, detail: str) -> None:
         if healthy != self.healthy:
@@ -40,6 +56,8 @@ class HealthProbe:
     async def probe(self, url: str | None) -> None:
         """One GET `url`/health: 200 → healthy; refused or another status → unhealthy at once;
         `health_timeouts_before_down` consecutive timeouts → unhealthy."""
+        self.probed_at = time.monotonic()
+        self.probes += 1
         if not url:
             self.set(False, "no url yet")
             return

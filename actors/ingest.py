@@ -85,6 +85,17 @@ class MetricsBook:
             out[rank] = d
         return out
 
+    def heard_at(self) -> float | None:
+        """When the newest accepted frame arrived (`clock` time), None before the first: while frames
+        keep arriving the engine's scheduler is alive (passive liveness)."""
+        latest = self._latest
+        if not latest:
+            return None
+        if len(latest) == 1:
+            for _, at, _ in latest.values():
+                return at
+        return max(at for _, at, _ in latest.values())
+
     def latest(self) -> dict[int, KvMetrics]:
         return {rank: entry[0] for rank, entry in self._latest.items()}
 

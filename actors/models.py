@@ -77,7 +77,15 @@ class Settings(BaseModel):
     )
     push_interval_s: float = Field(0.010, gt=0, description="min gap between metric pushes")
     heartbeat_s: float = Field(0.5, gt=0, description="liveness push period")
-    health_interval_s: float = Field(1.0, gt=0, description="HTTP /health probe period")
+    health_interval_s: float = Field(
+        1.0, gt=0, description="HTTP /health probe period of a worker whose KvMetrics frames are silent (idle, or "
+        "gone) or whose last probe failed; a dead worker is probed, so down, at most this long after its last frame"
+    )
+    health_busy_interval_s: float = Field(
+        5.0, gt=0, description="passive liveness: while a worker's KvMetrics frames keep arriving (one within "
+        "health_interval_s), its scheduler is alive and /health is probed only this often — the slow probe that "
+        "catches an HTTP server that hangs while the scheduler still publishes"
+    )
     health_timeout_s: float = Field(1.0, gt=0, description="HTTP /health probe timeout")
     health_timeouts_before_down: int = Field(
         2, ge=1, description="consecutive probe timeouts before unhealthy (refused = at once)"

@@ -268,7 +268,8 @@ class WorkerActorStats(msgspec.Struct, frozen=True):
 
 
 class HostStats(msgspec.Struct, frozen=True):
-    """`MetricsHost.host_stats()`: a node's metrics host, what it hosts and what it pushed."""
+    """`host_stats()` of a node's metrics host (a `MetricsHost`, or the aggregator for its own node): what it
+    hosts and what it pushed."""
 
     host: str
     incarnation: str
@@ -278,6 +279,7 @@ class HostStats(msgspec.Struct, frozen=True):
     full_frames: int  # of them, frames with every worker's report (start, aggregator reconnects)
     frames_dropped: int
     aggregator_connects: int
+    health_probes: int = 0  # /health requests made for its workers (passive liveness skips most while they publish)
 
 
 class AggregatorStats(msgspec.Struct, frozen=True):

@@ -101,7 +101,7 @@ class PushWindow:
 
     async def _push_loop(self) -> None:
         s = self.settings
-        while True:
+        while not self._stopping:  # (a push after stop changes nothing: the loop must not spin on it)
             try:
                 wait = s.heartbeat_s - (time.monotonic() - self._last_push)
                 if wait > 0 and not self.wake.is_set():

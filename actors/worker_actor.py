@@ -4,10 +4,9 @@ and pushes coalesced reports to the aggregator without ever blocking its receive
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import os
-import socket
+import time
 import uuid
 from typing import Any
 
@@ -18,6 +17,7 @@ import zmq.asyncio
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.aggregator import get_or_create_aggregator
+from actors.endpoint import EndpointError, _ipc_path, bind_pull  # noqa: F401  (callers import them here)
 from actors.fleet import WorkerSpec
 from actors.health import HealthProbe
 from actors.ingest import MetricsBook
@@ -38,58 +38,6 @@ from actors.protocol import (
 )
 
 logger = logging.getLogger("kvroute.worker")
-
-_HARD_MSG_LIMIT_FACTOR = 16  # ZMQ drops peers sending above this × max_frame_bytes (memory bound)
-
-class EndpointError(RuntimeError):
-    """The worker's metrics endpoint cannot be bound (busy, bad path, no permission)."""
-
-
-def _ipc_path(endpoint: str) -> str | None:
-    return endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None
-
-
-def _ipc_in_use(path: str) -> bool:
-    """True if a live process listens on this ipc path (a stale file is not 'in use')."""
-    if not os.path.exists(path):
-        return False
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.settimeout(0.2)
-        s.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
-
-
-def bind_pull(ctx: zmq.asyncio.Context, name: str, endpoint: str, max_frame_bytes: int) -> zmq.asyncio.Socket:
-    """Bind a PULL socket like the seed's loop; clear errors naming worker and endpoint."""
-    path = _ipc_path(endpoint)
-    if path is not None:
-        if _ipc_in_use(path):
-            raise EndpointError(
-                f"worker {name}: metrics endpoint {endpoint} is busy (another process is bound to it); "
-                "choose another path or stop that process"
-            )
-        parent = os.path.dirname(path) or "."
-        if not os.path.isdir(parent):
-            raise EndpointError(f"worker {name}: metrics endpoint {endpoint}: directory {parent} does not exist")
-        if os.path.exists(path):
-            os.unlink(path)  # stale file from a dead process
-    sock = ctx.socket(zmq.PULL)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVHWM, 10_000)
-    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes * _HARD_MSG_LIMIT_FACTOR)
-    try:
-        sock.bind(endpoint)
-    except zmq.ZMQError as exc:
-        sock.close(linger=0)
-        hint = " (address in use)" if exc.errno == errno.EADDRINUSE else ""
-        raise EndpointError(f"worker {name}: cannot bind metrics endpoint {endpoint}: {exc}{hint}") from None
-    return sock
-
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
 class WorkerActor:
@@ -292,15 +240,20 @@ class WorkerActor:
         await self._health.probe(self.url)
 
     async def _health_loop(self) -> None:
+        """/health when due (`HealthProbe.due`: passive while the engine's frames arrive), and the KV
+        watch at least every `health_interval_s`."""
+        interval = self.settings.health_interval_s
         while True:
             try:
-                await self._probe()
+                if self._health.due(self.book.heard_at()) <= time.monotonic():
+                    await self._probe()
                 self._watch_kv()  # and, while the engine shows prefills but no batch came, a replay
             except asyncio.CancelledError:
                 raise
             except Exception:
                 logger.exception("worker %s: health probe error", self.name)
-            await asyncio.sleep(self.settings.health_interval_s)
+            wait = self._health.due(self.book.heard_at()) - time.monotonic()
+            await asyncio.sleep(min(max(0.0, wait), interval))
 
 
 def _listen_host(host: str) -> str:

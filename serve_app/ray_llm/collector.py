@@ -28,13 +28,13 @@ import zmq
 import zmq.asyncio
 
 from actors.aggregator import get_or_create_aggregator
+from actors.endpoint import bind_pull
 from actors.ingest import MetricsBook
 from actors.kv_handshake import shows_prefill
 from actors.link import AggregatorLink
 from actors.metrics_pipe import MetricsPipe
 from actors.models import Settings
 from actors.protocol import KvEventsStatus, RankMetrics, WorkerReport
-from actors.worker_actor import bind_pull
 
 logger = logging.getLogger("kvroute.ray_llm.collector")
 

@@ -193,13 +193,13 @@ async def test_a_hosted_workers_report_carries_what_a_worker_actors_does(tmp_pat
     import httpx
 
     from actors.fleet import WorkerSpec
-    from actors.metrics_host import _Hosted
+    from actors.hosting import Hosted
 
     spec = WorkerSpec(name="p0", url="http://127.0.0.1:9", metrics_endpoint=f"ipc://{tmp_path}/p0.metrics",
                       page_size=16, served_model_names=["m"], role="prefill", bootstrap_port=8998)
     ctx = zmq.asyncio.Context()
     async with httpx.AsyncClient() as http:
-        w = _Hosted(spec, Settings(), ctx, http, lambda: None)
+        w = Hosted(spec, Settings(), ctx, http, lambda: None)
         try:
             r = w.report()
             assert (r.name, r.url, r.page_size, r.models, r.role, r.bootstrap_port) == \

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -14,12 +15,21 @@ class HealthServer:
 
     def __init__(self) -> None:
         self.healthy = True
+        self.probes = 0  # /health requests answered
+        self._conns: set = set()
+        self._closed = False
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"  # keep-alive, as SGLang's uvicorn server: probes reuse their connection
 
+            def setup(self):
+                super().setup()
+                outer._conns.add(self.connection)
+
             def do_GET(self):  # noqa: N802
+                if self.path == "/health":
+                    outer.probes += 1
                 code = 200 if (self.path == "/health" and outer.healthy) else 503
                 self.send_response(code)
                 self.send_header("content-length", "0")
@@ -34,8 +44,15 @@ class HealthServer:
         self.thread.start()
 
     def close(self) -> None:
+        """Gone, as a dead worker's server is: the listener and every kept-alive connection closed."""
+        if self._closed:
+            return
+        self._closed = True
         self.server.shutdown()
         self.server.server_close()
+        for conn in list(self._conns):
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
 
 
 def wait_for(predicate: Callable[[], object], timeout_s: float, interval_s: float = 0.02, what: str = "condition"):

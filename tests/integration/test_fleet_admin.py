@@ -63,10 +63,11 @@ def test_add_route_remove_without_restarting_the_router(client, tmp_path):
     assert client.delete("/admin/workers/added", headers=admin).status_code == 404
 
 
-def test_an_attach_worker_added_at_run_time_is_hosted_by_its_nodes_metrics_host(client, tmp_path):
+def test_an_attach_worker_added_at_run_time_is_hosted_on_its_node_by_the_aggregator(client, tmp_path):
     import ray
 
-    from actors.metrics_host import list_hosts, stop_workers
+    from actors.aggregator import AGGREGATOR_NAME
+    from actors.metrics_host import stop_workers
     from actors.models import NAMESPACE
     from tests.integration.helpers import HealthServer
 
@@ -78,11 +79,12 @@ def test_an_attach_worker_added_at_run_time_is_hosted_by_its_nodes_metrics_host(
         assert r.status_code == 200, r.text
         wait_for(lambda: [w["state"] for w in client.get("/workers").json()["workers"]] == ["idle"], 10,
                  what="the hosted worker in the router's view")
-        hosts = [ray.get_actor(h, namespace=NAMESPACE) for h in list_hosts()]
-        assert any("hosted-added" in ray.get(h.workers.remote(), timeout=10) for h in hosts)
+        # one node here, the aggregator's: the aggregator hosts it (a MetricsHost only on other nodes)
+        agg = ray.get_actor(AGGREGATOR_NAME, namespace=NAMESPACE)
+        assert "hosted-added" in ray.get(agg.hosted_workers.remote(), timeout=10)
         assert client.delete("/admin/workers/hosted-added", headers=admin).status_code == 200
         wait_for(lambda: client.get("/workers").json()["workers"] == [], 10, what="worker gone")
-        assert not any("hosted-added" in ray.get(h.workers.remote(), timeout=10) for h in hosts)
+        assert "hosted-added" not in ray.get(agg.hosted_workers.remote(), timeout=10)
     finally:
         stop_workers(names=["hosted-added"])
         server.close()

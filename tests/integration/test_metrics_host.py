@@ -153,7 +153,7 @@ def test_stopping_a_hosted_worker_removes_it_from_the_host_and_the_fleet(agg, ho
     wait_for(lambda: len(_states(agg, names)) == 2, 15, what="both registered")
     assert ray.get(handles[0].stop.remote(), timeout=10)  # deregister=True, as WorkerActor.stop
     wait_for(lambda: names[0] not in _states(agg, names), 10, what="the stopped worker gone from the fleet")
-    assert names[0] not in ray.get(handles[0].host.workers.remote(), timeout=10)
+    assert names[0] not in ray.get(handles[0].host.hosted_workers.remote(), timeout=10)
     time.sleep(2.5)  # the host's later frames no longer name it: it does not come back
     assert _states(agg, names) == {names[1]: "idle"}
 

@@ -197,13 +197,13 @@ async def test_a_hosted_worker_reports_its_dp_size_like_a_worker_actor(tmp_path)
     import zmq.asyncio
 
     from actors.fleet import WorkerSpec
-    from actors.metrics_host import _Hosted
+    from actors.hosting import Hosted
     from actors.models import Settings
 
     spec = WorkerSpec(name="d0", url="http://127.0.0.1:9", metrics_endpoint=f"ipc://{tmp_path}/d0.metrics", dp_size=3)
     ctx = zmq.asyncio.Context()
     async with httpx.AsyncClient() as http:
-        w = _Hosted(spec, Settings(), ctx, http, lambda: None)
+        w = Hosted(spec, Settings(), ctx, http, lambda: None)
         try:
             assert w.report().dp_size == 3
         finally:

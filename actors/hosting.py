@@ -1,0 +1,315 @@
+"""The host role, written once: every hosted worker's metrics PULL, its /health probe (passive while its
+KvMetrics frames arrive) and model discovery, and one `HostPipe` sending one batched frame per window
+for all of them — which is also their heartbeat.
+
+Two actors run it: a node's `MetricsHost` (`actors.metrics_host`), whose pipe pushes over an
+`AggregatorLink`, and the aggregator itself for the workers on its own node (`actors.aggregator`),
+whose pipe hands its frames to its registry in-process (`LocalLink`: no ZeroMQ hop to itself, no
+host process). `HostingCalls` gives both actors the same Ray methods. No Ray calls but the spec
+memory in Ray's internal KV (`remember` / `remembered`), which imports Ray where it is used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+import uuid
+from typing import Any, Awaitable, Callable
+
+import httpx
+import zmq
+import zmq.asyncio
+
+from actors.endpoint import _ipc_path, bind_pull
+from actors.fleet import WorkerSpec
+from actors.health import HealthProbe
+from actors.host_pipe import HostPipe
+from actors.ingest import MetricsBook
+from actors.models import NAMESPACE, Settings
+from actors.protocol import HostStats, RankMetrics, WorkerActorStats, WorkerReady, WorkerReport
+
+logger = logging.getLogger("kvroute.host")
+
+
+def hostable(spec: WorkerSpec) -> bool:
+    """True if `spec`'s metrics can live in its node's host (attach mode, no KV events, no Ray
+    resources to reserve); else it needs its own `WorkerActor`."""
+    return (not spec.managed and spec.kv_events_endpoint is None and not spec.num_gpus and not spec.num_cpus
+            and not spec.resources and spec.metrics_endpoint is not None)
+
+
+class LocalLink:
+    """The pipe's sink inside the aggregator: `push_host` applies the frame to the registry at once
+    (`apply(host, incarnation, workers, reports)`). Always connected, never drops; the same surface
+    as `AggregatorLink` where `HostPipe`/`PushWindow` use it."""
+
+    handle = None
+    epoch = None
+    dropped = 0
+    reconnects = 0
+    connections = 1  # one "connection" for the process's life: the first frame carries every report
+
+    def __init__(self, apply: Callable[[str, str, list[str], list[WorkerReport]], None]) -> None:
+        self._apply = apply
+        self.sent = 0
+
+    def ready(self) -> bool:
+        return True
+
+    async def ensure(self) -> bool:
+        return True
+
+    def push_host(self, host: str, incarnation: str, workers: list[str], reports: list[WorkerReport]) -> bool:
+        self._apply(host, incarnation, workers, reports)
+        self.sent += 1
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+class Hosted:
+    """One hosted worker: its PULL, book, liveness and report."""
+
+    def __init__(self, spec: WorkerSpec, settings: Settings, ctx: zmq.asyncio.Context, http: httpx.AsyncClient,
+                 on_change: Callable[[], None]) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.book = MetricsBook(settings.max_frame_bytes)
+        self.endpoint = spec.metrics_endpoint or ""
+        self.sock = bind_pull(ctx, self.name, self.endpoint, settings.max_frame_bytes)
+        self.health = HealthProbe(self.name, settings, http, on_change, models=spec.declared_models, discover=True)
+
+    def report(self) -> WorkerReport:
+        page = self.spec.page_size
+        ranks = [RankMetrics(**d) for d in self.book.ranks_report(page).values()]
+        return WorkerReport(name=self.name, url=self.spec.url or "", page_size=page, incarnation=self.incarnation,
+                            healthy=self.health.healthy, health_detail=self.health.detail, ranks=ranks,
+                            models=self.health.models, role=self.spec.role, bootstrap_port=self.spec.bootstrap_port,
+                            dp_size=self.spec.dp_size)
+
+    def probe_due(self) -> float:
+        return self.health.due(self.book.heard_at())
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        path = _ipc_path(self.endpoint)
+        if path and os.path.exists(path):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+class NodeHosting:
+    """The hosted workers of one node, pushed through `link` (an `AggregatorLink`, or a `LocalLink`).
+
+    `deregister(name)` drops a removed worker from the aggregator's fleet; `remember(specs)` keeps
+    the hosted specs where a restarted actor finds them (`remembered(key)`). Start with `start()`
+    inside the event loop, end with `await stop()`."""
+
+    def __init__(self, host: str, node_id: str | None, settings: Settings, ctx: zmq.asyncio.Context, link: Any, *,
+                 deregister: Callable[[str], Awaitable[Any]], remember: Callable[[list[dict[str, Any]]], None]) -> None:
+        self.host = host
+        self.node_id = node_id
+        self.settings = settings
+        self.link = link
+        self._ctx = ctx
+        self._http = httpx.AsyncClient(timeout=settings.health_timeout_s)
+        self._deregister = deregister
+        self._remember = remember
+        self.pipe = HostPipe(host, link, settings)
+        self.workers: dict[str, Hosted] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._stopping = False
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [self.pipe.start(), loop.create_task(self._health_loop())]
+
+    def add(self, spec: WorkerSpec) -> bool:
+        """Host `spec` (idempotent for the same spec); False if it was hosted already. Raises
+        EndpointError if its metrics endpoint cannot be bound, ValueError if it is not hostable or
+        another spec holds its name."""
+        have = self.workers.get(spec.name)
+        if have is not None:
+            if have.spec != spec:
+                raise ValueError(f"worker {spec.name}: already hosted by {self.host} with another spec; remove it "
+                                 "first")
+            return False
+        if not hostable(spec):
+            raise ValueError(f"worker {spec.name}: not hostable (managed, KV events or Ray resources): it needs its "
+                             "own WorkerActor")
+        w = Hosted(spec, self.settings, self._ctx, self._http, lambda: self.pipe.mark(spec.name))
+        self.workers[spec.name] = w
+        self.pipe.add(spec.name, w.sock, w.book, w.report)
+        self._remember([x.spec.model_dump(mode="json") for x in self.workers.values()])
+        logger.info("host %s: worker %s: PULL bound on %s, probing %s/health", self.host, spec.name, w.endpoint,
+                    spec.url)
+        return True
+
+    def ready(self, name: str) -> WorkerReady:
+        w = self._get(name)
+        return WorkerReady(name=name, url=w.spec.url or "", metrics_endpoint=w.endpoint, node_id=self.node_id,
+                           managed=None)
+
+    async def remove(self, name: str, deregister: bool = True) -> bool:
+        """Stop hosting `name` (its socket closed, linger 0); `deregister`: drop it from the aggregator's
+        fleet too (best effort, ≤ 0.5 s). False if it was not hosted."""
+        w = self.workers.pop(name, None)
+        if w is None:
+            return False
+        self.pipe.remove(name)
+        w.close()
+        self._remember([x.spec.model_dump(mode="json") for x in self.workers.values()])
+        if deregister:
+            try:
+                await asyncio.wait_for(self._deregister(name), timeout=0.5)
+            except Exception:  # best effort: the aggregator may be gone already
+                pass
+        logger.info("host %s: worker %s removed", self.host, name)
+        return True
+
+    def worker_stats(self, name: str) -> WorkerActorStats:
+        """What `WorkerActor.stats()` says, for hosted worker `name` (pushes are the host's frames)."""
+        w = self._get(name)
+        b = w.book.stats
+        link = self.link
+        return WorkerActorStats(
+            name=name, frames_received=b.frames_received, frames_accepted=b.frames_accepted,
+            frames_refused=sum(b.refused.values()), refused_by_reason=dict(b.refused),
+            pushes=link.sent, pushes_dropped=link.dropped, aggregator_connects=link.reconnects,
+            healthy=w.health.healthy, health_detail=w.health.detail, aggregator_epoch=link.epoch,
+            last_refusal=w.book.last_error, latest={r: m.model_dump() for r, m in w.book.latest().items()},
+            kv_events=None)
+
+    def host_stats(self) -> HostStats:
+        return HostStats(host=self.host, incarnation=self.pipe.incarnation, pid=os.getpid(),
+                         workers=list(self.workers), frames=self.pipe.frames, full_frames=self.pipe.full_frames,
+                         frames_dropped=self.link.dropped, aggregator_connects=self.link.reconnects,
+                         health_probes=sum(w.health.probes for w in self.workers.values()))
+
+    async def remove_all(self, deregister: bool = False) -> list[str]:
+        """Stop hosting every worker and forget them (a later restart hosts none); keeps running."""
+        names = list(self.workers)
+        for name in names:
+            await self.remove(name, deregister=deregister)
+        return names
+
+    async def stop(self, deregister: bool = False) -> None:
+        """`remove_all`, then end the pipe and the probes (no frame after it). ≤ 1 s."""
+        if self._stopping:
+            return
+        await self.remove_all(deregister)
+        self._stopping = True
+        self.pipe.stop()
+        for t in self._tasks:
+            t.cancel()
+        if self._tasks:
+            await asyncio.wait({*self._tasks}, timeout=0.5)
+        await self._http.aclose()
+
+    # --- internals ------------------------------------------------------------------------------
+
+    def _get(self, name: str) -> Hosted:
+        w = self.workers.get(name)
+        if w is None:
+            raise KeyError(f"worker {name}: not hosted by {self.host}")
+        return w
+
+    async def _health_loop(self) -> None:
+        """Each hosted worker's /health when it is due (`HealthProbe.due`: every `health_interval_s`
+        while its frames are silent or it fails, else every `health_busy_interval_s`), concurrently."""
+        interval = self.settings.health_interval_s
+        while True:
+            try:
+                now = time.monotonic()
+                hosted = list(self.workers.values())
+                due = [w for w in hosted if w.probe_due() <= now]
+                if due:
+                    await asyncio.gather(*(w.health.probe(w.spec.url) for w in due), return_exceptions=True)
+                wake = min((w.probe_due() for w in self.workers.values()), default=now + interval)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("host %s: health probe error", self.host)
+                wake = time.monotonic() + interval
+            await asyncio.sleep(min(max(0.0, wake - time.monotonic()), interval))
+
+
+class HostingCalls:
+    """The Ray methods of an actor that hosts workers (a `MetricsHost`, the aggregator): its
+    `NodeHosting` is `self._hosting`. Every method addresses a worker by name."""
+
+    _hosting: NodeHosting
+
+    async def add_worker(self, spec: dict[str, Any]) -> WorkerReady:
+        """Host a worker (idempotent for the same spec); see `NodeHosting.add`."""
+        ws = WorkerSpec.model_validate(spec)
+        self._check_node(ws)
+        self._hosting.add(ws)
+        return self._hosting.ready(ws.name)
+
+    async def ready_worker(self, name: str) -> WorkerReady:
+        return self._hosting.ready(name)
+
+    async def remove_worker(self, name: str, deregister: bool = True) -> bool:
+        return await self._hosting.remove(name, deregister)
+
+    async def hosted_workers(self) -> list[str]:
+        return list(self._hosting.workers)
+
+    async def worker_stats(self, name: str) -> WorkerActorStats:
+        return self._hosting.worker_stats(name)
+
+    async def host_stats(self) -> HostStats:
+        return self._hosting.host_stats()
+
+    async def stop_hosting(self, deregister: bool = False) -> None:
+        """Stop hosting every worker and forget them (a later restart hosts none). ≤ 1 s. The
+        aggregator keeps hosting what is added later; a `MetricsHost` ends (it is killed next)."""
+        await self._hosting.remove_all(deregister=deregister)
+
+    async def node_id(self) -> str | None:
+        return self._hosting.node_id
+
+    def _check_node(self, spec: WorkerSpec) -> None:
+        node = self._hosting.node_id
+        if spec.node_id and node and spec.node_id != node:
+            raise ValueError(f"worker {spec.name}: placed on node {spec.node_id}, not on {self._hosting.host}'s node "
+                             f"{node}: its node's metrics host must bind its endpoint")
+
+
+# --- hosted specs across restarts (Ray's internal KV) ---------------------------------------------
+
+
+def remembered(key: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """(the node they were hosted on, the specs) last remembered under `key`; (None, []) if none."""
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    try:
+        raw = _internal_kv_get(key.encode(), namespace=NAMESPACE)
+        saved = json.loads(raw) if raw else {}
+        if isinstance(saved, list):  # written before the node was remembered
+            return None, saved
+        return saved.get("node_id"), list(saved.get("workers", []))
+    except Exception:
+        logger.exception("cannot read the hosted workers remembered under %s", key)
+        return None, []
+
+
+def remember(key: str, node_id: str | None, specs: list[dict[str, Any]]) -> None:
+    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_put
+
+    try:
+        if specs:
+            _internal_kv_put(key.encode(), json.dumps({"node_id": node_id, "workers": specs}).encode(),
+                             overwrite=True, namespace=NAMESPACE)
+        else:
+            _internal_kv_del(key.encode(), namespace=NAMESPACE)
+    except Exception:
+        logger.warning("cannot remember the hosted workers under %s; a restart will host none", key)
