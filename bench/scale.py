@@ -18,7 +18,7 @@ then R = 4 (3 more followers started cold into the running fleet):
 - cold follower: `FleetFollower.start()` → it holds all N workers.
 
     python -m bench.scale [--workers 100 1000] [--hz 2 10] [--seconds 5] [--emulators 2] [--change-every K]
-    python -m bench.scale --real-actors 4 [--frame-hz 30] [--seconds 20] [--hosting node|worker|both]
+    python -m bench.scale --real-actors 4 [--frame-hz 30] [--seconds 20] [--hosting node|host|worker|both|all]
     python -m bench.scale --workers 10000 --hz 2 --change-every 10 --per-host 8   # emulated metrics hosts
 
 A benchmark, not a test: figures vary with the machine's other load (the load average is printed).
@@ -385,9 +385,11 @@ def _profile(pids: dict[str, int], seconds: float, out_dir: str) -> list[subproc
 
 def real_actors(k: int, seconds: float, frame_hz: float = 0.0, profile: str | None = None,
                 hosting: str = "worker", plane: dict[str, Any] | None = None) -> dict[str, float]:
-    """CPU of `k` real `WorkerActor`s (`hosting` 'worker'; 'node': `k` workers hosted by one real
-    `MetricsHost`) (attach mode: a /health server, no engine) beside `k` bare
-    async actors, the aggregator and one follower host, % of one core. `frame_hz` > 0: each actor
+    """CPU of `k` real workers' metrics plane (attach mode: a /health server, no engine) beside `k`
+    bare async actors, the aggregator and one follower host, % of one core. `hosting` 'node': as
+    `kvroute serve` places them (`start_worker`: on the aggregator's node, hosted by the aggregator
+    itself); 'host': by one real `MetricsHost` (as on a node without the aggregator); 'worker': `k`
+    real `WorkerActor`s. `frame_hz` > 0: each actor
     receives that many SGLang KvMetrics frames per second (0.5.23 pickle form) from this process —
     SGLang's cadence under load is a frame per prefill batch and every 40 decode steps, tens a
     second; 0: idle (heartbeat pushes and /health probes only)."""
@@ -412,6 +414,11 @@ def real_actors(k: int, seconds: float, frame_hz: float = 0.0, profile: str | No
     agg = get_or_create_aggregator(fleet.settings)
     agg_pid = ray.get(agg.stats.remote()).pid
     if hosting == "node":
+        from actors.metrics_host import start_worker
+
+        actors = [start_worker(w, fleet.settings) for w in fleet.workers]
+        assert actors[0].host._actor_id == agg._actor_id, "expected the aggregator to host its node's workers"
+    elif hosting == "host":
         from actors.metrics_host import start_hosted_worker
 
         actors = [start_hosted_worker(w, fleet.settings, prefix="scale-real-host-") for w in fleet.workers]
@@ -421,7 +428,9 @@ def real_actors(k: int, seconds: float, frame_hz: float = 0.0, profile: str | No
     bare = [BareActor.remote() for _ in range(k)]
     host = FollowerHost.remote(time.time(), fleet.settings.model_dump())
     ray.get(host.start.remote(k))
-    handles = [actors[0].host] if hosting == "node" else actors  # the processes: one host, or k actors
+    # the worker-side processes: none (the aggregator hosts them), one host, or k actors
+    handles = {"node": [], "host": [actors[0].host]}.get(hosting, actors)
+    hosting_actor = {"node": agg, "host": actors[0].host}.get(hosting)
     wpids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in handles])
     bpids = ray.get([b.pid.remote() for b in bare])
     hpid = ray.get(host.pid.remote())
@@ -448,20 +457,25 @@ def real_actors(k: int, seconds: float, frame_hz: float = 0.0, profile: str | No
     if frame_hz > 0:
         t.start()
     time.sleep(3.0)
-    spies = _profile({"worker_actor": wpids[0], "aggregator": agg_pid, "follower": hpid, "bare_actor": bpids[0]},
-                     seconds, profile) if profile else []
+    spied = {"aggregator": agg_pid, "follower": hpid, "bare_actor": bpids[0], **({"worker_side": wpids[0]} if wpids else {})}
+    spies = _profile(spied, seconds, profile) if profile else []
+    probes0 = ray.get(hosting_actor.host_stats.remote()).health_probes if hosting_actor else 0
+    frames0 = ray.get(agg.stats.remote()).host_frames
     c0 = {p: _cpu_s(p) for p in [*wpids, *bpids, agg_pid, hpid]}
     t0 = time.monotonic()
     time.sleep(seconds)
     dt = time.monotonic() - t0
     c1 = {p: _cpu_s(p) for p in c0}
+    probes1 = ray.get(hosting_actor.host_stats.remote()).health_probes if hosting_actor else 0
+    frames1 = ray.get(agg.stats.remote()).host_frames
     for spy in spies:
         spy.wait(timeout=60)
     stop.set()
     pct = {p: 100 * (c1[p] - c0[p]) / dt for p in c0}
-    out = {"worker_actor": statistics.mean(pct[p] for p in wpids), "bare_actor": statistics.mean(pct[p] for p in bpids),
+    out = {"worker_actor": statistics.mean(pct[p] for p in wpids) if wpids else 0.0,
+           "bare_actor": statistics.mean(pct[p] for p in bpids),
            "aggregator": pct[agg_pid], "follower": pct[hpid], "processes": len(wpids),
-           "frames": ray.get(agg.stats.remote()).host_frames}
+           "frames_s": (frames1 - frames0) / dt, "probes_s": (probes1 - probes0) / dt if hosting_actor else None}
     ray.get(host.stop.remote())
     ray.get([a.stop.remote() for a in actors])
     for a in [*handles, *bare, host]:
@@ -501,12 +515,15 @@ def main() -> int:
                          "the heartbeats); 0: one frame per worker report, as WorkerActors send")
     ap.add_argument("--coalesce-s", type=float, default=None,
                     help="Settings.coalesce_s for the run (default: the setting's default, 0.05)")
+    ap.add_argument("--health-busy-s", type=float, default=None,
+                    help="Settings.health_busy_interval_s for the run (default: the setting's default, 5)")
     ap.add_argument("--real-actors", type=int, default=0, metavar="K",
                     help="instead: K real WorkerActors beside K bare async actors, the aggregator and one follower, "
                          "CPU of each over --seconds")
-    ap.add_argument("--hosting", choices=["node", "worker", "both"], default="both",
-                    help="with --real-actors: the workers in one MetricsHost (node), in their own WorkerActors "
-                         "(worker), or both one after the other")
+    ap.add_argument("--hosting", choices=["node", "host", "worker", "both", "all"], default="both",
+                    help="with --real-actors: the workers where kvroute serve puts them on the aggregator's node — "
+                         "in the aggregator (node); in one separate MetricsHost, as on another node (host); in their "
+                         "own WorkerActors (worker); node and worker (both), or all three, one after the other")
     ap.add_argument("--frame-hz", type=float, default=0.0,
                     help="with --real-actors: SGLang frames per second sent to each actor (0: idle)")
     ap.add_argument("--profile", metavar="DIR",
@@ -526,19 +543,23 @@ def main() -> int:
     ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
     if ns.real_actors:
         k = ns.real_actors
-        for hosting in (["node", "worker"] if ns.hosting == "both" else [ns.hosting]):
-            r = real_actors(k, ns.seconds, ns.frame_hz, ns.profile, hosting,
-                            {"coalesce_s": ns.coalesce_s} if ns.coalesce_s else None)
-            m = r["processes"]  # worker-side processes: k worker actors, or one metrics host
+        order = {"both": ["node", "worker"], "all": ["node", "host", "worker"]}.get(ns.hosting, [ns.hosting])
+        for hosting in order:
+            plane_cfg = {**({"coalesce_s": ns.coalesce_s} if ns.coalesce_s else {}),
+                         **({"health_busy_interval_s": ns.health_busy_s} if ns.health_busy_s else {})}
+            r = real_actors(k, ns.seconds, ns.frame_hz, ns.profile, hosting, plane_cfg or None)
+            m = r["processes"]  # worker-side processes: k worker actors, one metrics host, or none
             plane = m * r["worker_actor"] + r["aggregator"] + r["follower"]
-            what = f"{k} workers in 1 real MetricsHost" if hosting == "node" else f"{k} real WorkerActors"
-            side = (f"MetricsHost {r['worker_actor']:.2f}" if hosting == "node" else
-                    f"WorkerActor {r['worker_actor']:.2f} each")
+            what = {"node": f"{k} workers hosted by the aggregator", "host": f"{k} workers in 1 real MetricsHost",
+                    "worker": f"{k} real WorkerActors"}[hosting]
+            side = {"node": "no worker-side process", "host": f"MetricsHost {r['worker_actor']:.2f}",
+                    "worker": f"WorkerActor {r['worker_actor']:.2f} each"}[hosting]
+            extra = "" if r["probes_s"] is None else f"; host frames {r['frames_s']:.1f}/s, /health probes {r['probes_s']:.2f}/s"
             print(f"{what}, {ns.frame_hz:g} SGLang frames/s each, {ns.seconds:g} s, load {os.getloadavg()[0]:.1f}; "
-                  f"% of one core: {side} (bare async actor {r['bare_actor']:.2f} → "
-                  f"{r['worker_actor'] - r['bare_actor']:.2f} above the floor), aggregator {r['aggregator']:.2f}, "
-                  f"follower {r['follower']:.2f}; metrics plane total {plane:.1f} "
-                  f"({plane - (m + 2) * r['bare_actor']:.1f} above {m + 2} actor floors)", flush=True)
+                  f"% of one core: {side} (bare async actor {r['bare_actor']:.2f}"
+                  + (f" → {r['worker_actor'] - r['bare_actor']:.2f} above the floor" if m else "")
+                  + f"), aggregator {r['aggregator']:.2f}, follower {r['follower']:.2f}; metrics plane total "
+                  f"{plane:.1f} ({plane - (m + 2) * r['bare_actor']:.1f} above {m + 2} actor floors){extra}", flush=True)
         ray.shutdown()
         return 0
     print(HEADER, flush=True)

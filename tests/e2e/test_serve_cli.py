@@ -85,7 +85,7 @@ def test_every_route_but_healthz_needs_the_key(served):
     assert ok.status_code == 200 and ok.headers["x-kvroute-worker"] == "one"
 
 
-def test_the_attach_worker_is_served_through_the_nodes_metrics_host(served):
+def test_the_attach_worker_is_served_through_its_nodes_host_the_aggregator(served):
     url, auth = served["url"], {"authorization": f"Bearer {KEY}"}
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
