@@ -429,8 +429,8 @@ def real_actors(k: int, seconds: float, frame_hz: float = 0.0, profile: str | No
     host = FollowerHost.remote(time.time(), fleet.settings.model_dump())
     ray.get(host.start.remote(k))
     # the worker-side processes: none (the aggregator hosts them), one host, or k actors
-    handles = {"node": [], "host": [actors[0].host]}.get(hosting, actors)
-    hosting_actor = {"node": agg, "host": actors[0].host}.get(hosting)
+    hosting_actor = {"node": agg, "host": getattr(actors[0], "host", None)}.get(hosting)
+    handles = [] if hosting == "node" else [hosting_actor] if hosting == "host" else actors
     wpids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in handles])
     bpids = ray.get([b.pid.remote() for b in bare])
     hpid = ray.get(host.pid.remote())
