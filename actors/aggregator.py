@@ -256,10 +256,12 @@ class Aggregator(HostingCalls):
 
     async def _loop(self) -> None:
         """One loop for ingest, publication and time-driven states, so the event loop wakes at most
-        once per `publish_interval_s` under load (frames gather in the socket meanwhile) and once per
-        `state_tick_s` when nothing arrives. Each wake-up: drain the PULL, re-derive states when due,
-        publish one delta of every worker changed since the last (or a keep-alive after
-        `heartbeat_s` of quiet)."""
+        once per `publish_interval_s` under load (frames gather in the socket meanwhile) and, when
+        nothing arrives, when a frame does or when something is due (a state threshold, the
+        keep-alive after `heartbeat_s` without a delta: `state_tick_s` ≤ the wait ≤ `heartbeat_s`).
+        Each wake-up: drain the PULL, re-derive states when due, publish one delta of every worker
+        changed since the last (or a keep-alive). The workers it hosts itself publish from their
+        frames (`_local_frame`), not through this loop."""
         s, reg, sock = self.settings, self._registry, self._pull
         raw = zmq.Socket.shadow(sock.underlying)  # sync view of the same socket for cheap drains
         token = self._token.encode()
@@ -282,8 +284,9 @@ class Aggregator(HostingCalls):
                     self._last_pub = now
                 if drained or self._pending:  # frames gather in the socket meanwhile
                     await asyncio.sleep(wait)
-                else:  # quiet: sleep until a frame arrives or the next tick is due
-                    await sock.poll(timeout=1000 * s.state_tick_s, flags=zmq.POLLIN)
+                else:  # quiet: sleep until a frame arrives or something is due
+                    until = min(reg.next_due(), self._last_pub + s.heartbeat_s) - time.monotonic()
+                    await sock.poll(timeout=1000 * min(max(until, s.state_tick_s), s.heartbeat_s), flags=zmq.POLLIN)
             except asyncio.CancelledError:
                 raise
             except Exception:  # the loop must never die

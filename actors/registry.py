@@ -206,6 +206,21 @@ class FleetRegistry:
                 changed = True
         return changed
 
+    def next_due(self) -> float:
+        """The earliest moment `tick()` can change something (registry clock; never later than the
+        true one): a worker's idle or down threshold, a host's heartbeat reaching `down_after_s`,
+        a router replica's in-flight counts expiring. O(hosts + replicas)."""
+        due = self._next_due
+        down_after = self.settings.down_after_s
+        for h in self._hosts.values():
+            if not h.down and h.heartbeat_at + down_after < due:
+                due = h.heartbeat_at + down_after
+        expiry = down_after * 2
+        for at, _ in self._in_flight.values():
+            if at + expiry < due:
+                due = at + expiry
+        return due
+
     # --- reads --------------------------------------------------------------------------------
 
     def snapshot(self) -> FleetDelta:

@@ -304,3 +304,20 @@ def test_a_host_heartbeat_costs_no_per_worker_work_in_tick():
     clock.t += S.down_after_s + 0.1
     reg.tick()
     assert calls == 5000 and all(w.state == "down" for w in workers(reg))
+
+
+def test_next_due_is_the_earliest_threshold_a_tick_can_cross_workers_hosts_or_shares():
+    clock = Clock()
+    reg = FleetRegistry(S, clock=clock)
+    assert reg.next_due() == float("inf")  # nothing to watch: the aggregator's loop sleeps to its cap
+    reg.host_frame("h1", "i1", ["a"], [batch("a", ranks={0: rank(1)})])
+    t0 = clock.t
+    assert reg.next_due() == t0 + S.down_after_s  # the host's heartbeat, before the worker's idle threshold
+    clock.t += 1.0
+    reg.host_frame("h1", "i1", ["a"], [])
+    assert reg.next_due() == t0 + S.idle_after_s  # heartbeat renewed: the metrics' age is next
+    reg.report_in_flight("r1", {"a": 1})
+    assert reg.next_due() == t0 + S.idle_after_s  # a share expires later (2 × down_after_s)
+    clock.t = t0 + S.idle_after_s + 0.01
+    reg.tick()  # crosses idle and the host's silence: down; nothing earlier than the share's expiry left
+    assert reg.next_due() == t0 + 1.0 + 2 * S.down_after_s
