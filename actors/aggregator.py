@@ -189,7 +189,7 @@ class Aggregator(HostingCalls):
         as `publish_interval_s` allows — the host's window was the coalescing, so no second wait."""
         self.host_frames += 1
         self.reports += len(reports)
-        if self._registry.host_frame(host, incarnation, workers, reports):
+        if self._registry.host_frame(host, incarnation, workers, reports, local=True):
             self._pending = True
             self._publish_soon()
 

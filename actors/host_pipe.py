@@ -55,8 +55,8 @@ class HostPipe(PushWindow):
     status changed (pushed at once), `remove()` it. `start()` runs the pipe inside the event loop,
     `stop()` ends it (idempotent: no frame goes after it). The caller owns and closes the sockets."""
 
-    def __init__(self, host: str, link: AggregatorLink, settings: Settings) -> None:
-        super().__init__(f"host {host}", link, settings)
+    def __init__(self, host: str, link: AggregatorLink, settings: Settings, heartbeat_s: float | None = None) -> None:
+        super().__init__(f"host {host}", link, settings, heartbeat_s=heartbeat_s)
         self.host = host
         self.incarnation = uuid.uuid4().hex[:12]
         self._slots: dict[str, _Slot] = {}

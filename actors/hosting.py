@@ -51,8 +51,12 @@ class LocalLink:
     dropped = 0
     reconnects = 0
     connections = 1  # one "connection" for the process's life: the first frame carries every report
+    # no heartbeat frames: the host is the aggregator itself, alive while it can apply them (the
+    # registry pins an in-process host up); the push loop still sends woken changes at once
+    heartbeat_s = 3600.0
 
     def __init__(self, apply: Callable[[str, str, list[str], list[WorkerReport]], None]) -> None:
+        """`apply(host, incarnation, workers, reports)`: the aggregator's registry takes the frame."""
         self._apply = apply
         self.sent = 0
 
@@ -122,7 +126,7 @@ class NodeHosting:
         self._http = httpx.AsyncClient(timeout=settings.health_timeout_s)
         self._deregister = deregister
         self._remember = remember
-        self.pipe = HostPipe(host, link, settings)
+        self.pipe = HostPipe(host, link, settings, heartbeat_s=getattr(link, "heartbeat_s", None))
         self.workers: dict[str, Hosted] = {}
         self._tasks: list[asyncio.Task] = []
         self._stopping = False

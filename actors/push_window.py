@@ -33,10 +33,12 @@ logger = logging.getLogger("kvroute.push")
 class PushWindow:
     """The push side of a metrics pipeline (see the module docstring); subclasses receive."""
 
-    def __init__(self, what: str, link: AggregatorLink, settings: Settings, wake: asyncio.Event | None = None) -> None:
+    def __init__(self, what: str, link: AggregatorLink, settings: Settings, wake: asyncio.Event | None = None,
+                 heartbeat_s: float | None = None) -> None:
         self.what = what  # "worker w0" / "host h1", for logs
         self.link = link
         self.settings = settings
+        self.heartbeat_s = heartbeat_s or settings.heartbeat_s  # (the aggregator's in-process host needs none)
         self.wake = wake if wake is not None else asyncio.Event()
         self._last_push = 0.0
         self._timer: asyncio.TimerHandle | None = None
@@ -103,7 +105,7 @@ class PushWindow:
         s = self.settings
         while not self._stopping:  # (a push after stop changes nothing: the loop must not spin on it)
             try:
-                wait = s.heartbeat_s - (time.monotonic() - self._last_push)
+                wait = self.heartbeat_s - (time.monotonic() - self._last_push)
                 if wait > 0 and not self.wake.is_set():
                     try:
                         await asyncio.wait_for(self.wake.wait(), timeout=wait)

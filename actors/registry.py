@@ -53,6 +53,7 @@ class _Host:
     heartbeat_at: float
     workers: list[str]  # the names its newest frame vouched for
     down: bool = False  # its heartbeat is older than down_after_s: its workers were re-derived down
+    local: bool = False  # the aggregator's own in-process host: alive as long as the registry is, no heartbeat
 
 
 BUSY_FRAMES = 8  # frames per publish_interval_s from which deltas go every publish_interval_s
@@ -89,15 +90,18 @@ class FleetRegistry:
 
     # --- writes -------------------------------------------------------------------------------
 
-    def host_frame(self, host: str, incarnation: str, workers: list[str], reports: list[WorkerReport]) -> bool:
+    def host_frame(self, host: str, incarnation: str, workers: list[str], reports: list[WorkerReport],
+                   local: bool = False) -> bool:
         """A metrics host's frame: the heartbeat of every worker in `workers` (one timestamp, however
         many) and the whole reports of those that changed. A worker the host no longer names keeps
-        its last heartbeat and goes down after `down_after_s` unless something else reports it."""
+        its last heartbeat and goes down after `down_after_s` unless something else reports it.
+        `local`: the aggregator's in-process host, which sends no heartbeats — its workers' liveness
+        is their own health only (the host lives as long as this registry)."""
         now = self.clock()
         h = self._hosts.get(host)
         changed = False
         if h is None:
-            h = self._hosts[host] = _Host(incarnation=incarnation, heartbeat_at=now, workers=list(workers))
+            h = self._hosts[host] = _Host(incarnation=incarnation, heartbeat_at=now, workers=list(workers), local=local)
         else:
             if h.workers != workers:
                 kept = set(workers)
@@ -193,7 +197,7 @@ class FleetRegistry:
             self._next_due = due
         down_after = self.settings.down_after_s
         for name, h in self._hosts.items():  # O(hosts): hosted workers' heartbeats are their host's
-            if not h.down and now - h.heartbeat_at > down_after:
+            if not h.down and not h.local and now - h.heartbeat_at > down_after:
                 h.down = True
                 changed |= self._rederive_host(h, name, now)
         expiry = self.settings.down_after_s * 2
@@ -213,7 +217,7 @@ class FleetRegistry:
         due = self._next_due
         down_after = self.settings.down_after_s
         for h in self._hosts.values():
-            if not h.down and h.heartbeat_at + down_after < due:
+            if not h.down and not h.local and h.heartbeat_at + down_after < due:
                 due = h.heartbeat_at + down_after
         expiry = down_after * 2
         for at, _ in self._in_flight.values():
@@ -292,7 +296,9 @@ class FleetRegistry:
 
     def _heartbeat_at(self, w: _Worker) -> float:
         h = self._hosts.get(w.host) if w.host is not None else None
-        return w.heartbeat_at if h is None else h.heartbeat_at
+        if h is None:
+            return w.heartbeat_at
+        return self.clock() if h.local else h.heartbeat_at
 
     def _rederive_host(self, h: _Host, name: str, now: float) -> bool:
         changed = False

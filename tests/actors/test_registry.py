@@ -321,3 +321,15 @@ def test_next_due_is_the_earliest_threshold_a_tick_can_cross_workers_hosts_or_sh
     clock.t = t0 + S.idle_after_s + 0.01
     reg.tick()  # crosses idle and the host's silence: down; nothing earlier than the share's expiry left
     assert reg.next_due() == t0 + 1.0 + 2 * S.down_after_s
+
+
+def test_the_aggregators_in_process_host_needs_no_heartbeat_its_workers_follow_their_own_health():
+    clock = Clock()
+    reg = FleetRegistry(S, clock=clock)
+    reg.host_frame("agg", "i1", ["a"], [batch("a")], local=True)
+    assert reg.next_due() == float("inf")
+    clock.t += 10 * S.down_after_s  # no frame since: an ordinary host's workers would be down
+    reg.tick()
+    assert [(w.name, w.state, w.heartbeat_age_s) for w in workers(reg)] == [("a", "idle", 0.0)]
+    reg.host_frame("agg", "i1", ["a"], [batch("a", healthy=False)], local=True)
+    assert [w.state for w in workers(reg)] == ["down"]
