@@ -33,6 +33,9 @@ RETRYABLE_STATUS = {429, 500, 502, 503, 504}  # before the first byte nothing wa
 # Events relayed unbatched at a stream's start: SGLang's role-only chat chunk, then the first token's.
 _UNBATCHED_EVENTS = 2
 _KEEPALIVE_S = 30.0  # an idle pooled connection older than this is closed, not reused
+# Arrived, not yet relayed body bytes beyond which the worker's socket is not read until the
+# relay takes them (a slow client then slows the worker's connection, not the router's memory).
+_HIGH_WATER = 1 << 20
 
 
 class UpstreamBroken(ConnectionError):
@@ -90,6 +93,8 @@ class _Connection(asyncio.Protocol):
         self.head_done = False
         self.done = False  # the whole response is in
         self.body: list[bytes] = []  # arrived, not yet taken
+        self.buffered = 0  # bytes in `body`
+        self.paused = False
         self.error: UpstreamBroken | None = None
         self.keep_alive = False
         self.until_close = False  # a body without length or chunking: it ends when the connection does
@@ -129,6 +134,10 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
+        self.buffered += len(body)
+        if self.buffered > _HIGH_WATER and not self.paused:
+            self.paused = True
+            self.transport.pause_reading()  # type: ignore[union-attr]
         if self._wake_on_body:
             self._wake()
 
@@ -163,6 +172,10 @@ class _Connection(asyncio.Protocol):
         body = self.body
         data = body[0] if len(body) == 1 else b"".join(body)
         self.body = []
+        self.buffered = 0
+        if self.paused and not self.closed:
+            self.paused = False
+            self.transport.resume_reading()  # type: ignore[union-attr]
         return data
 
 
@@ -206,9 +219,13 @@ class Upstream:
     async def read(self) -> bytes:
         """The whole body (raises one of UPSTREAM_ERRORS if the worker breaks off)."""
         conn = self._conn
-        while not conn.done:
+        parts: list[bytes] = []
+        while True:
+            if conn.body:
+                parts.append(conn.take())  # (taking also resumes a connection paused at the high-water mark)
+            if conn.done:
+                return parts[0] if len(parts) == 1 else b"".join(parts)
             await self._more()
-        return conn.take()
 
     async def chunks(self, batch_interval_s: float = 0.0) -> AsyncIterator[bytes]:
         """The body as it arrives, bytes unchanged (SSE events stay whole and in order).
@@ -298,6 +315,8 @@ class UpstreamClient:
 
     def _release(self, conn: _Connection) -> None:
         if conn.done and conn.keep_alive and not conn.closed and conn.error is None:
+            if conn.paused:
+                conn.transport.resume_reading()  # type: ignore[union-attr]
             conn.reset()
             conn.idle_since = conn.loop.time()
             self._idle.setdefault(conn.key, []).append(conn)
