@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
-
-import os
 import time
+from pathlib import Path
 
 import psutil
 
@@ -82,8 +81,11 @@ def thread_table(before: dict[int, tuple[str, float]], after: dict[int, tuple[st
         rows.append((max(0.0, cpu - before.get(tid, (name, 0.0))[1]), tid, name, py_names.get(tid, "")))
     rows.sort(reverse=True)
     total = sum(r[0] for r in rows)
-    per_req = (lambda cpu: f" {cpu / requests * 1e3:>7.2f}") if requests else (lambda cpu: "")
-    pct = lambda cpu: f"{cpu / max(seconds, 1e-9) * 100:>7.2f}"  # noqa: E731
+    def per_req(cpu: float) -> str:
+        return f" {cpu / requests * 1e3:>7.2f}" if requests else ""
+
+    def pct(cpu: float) -> str:
+        return f"{cpu / max(seconds, 1e-9) * 100:>7.2f}"
     lines = [f"process CPU by thread over {seconds:.1f} s" + (f", {requests} requests" if requests else ""),
              f"{'tid':>8} {'OS name':<16} {'Python thread':<24} {'cpu s':>7} {'% core':>7}"
              + (f" {'ms/req':>7}" if requests else "")]

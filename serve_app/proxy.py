@@ -32,7 +32,10 @@ _SKIP_RESPONSE_HEADERS = {h.encode() for h in _SKIP_HEADERS - {"content-encoding
 RETRYABLE_STATUS = {429, 500, 502, 503, 504}  # before the first byte nothing was sent: try elsewhere
 # Events relayed unbatched at a stream's start: SGLang's role-only chat chunk, then the first token's.
 _UNBATCHED_EVENTS = 2
-_KEEPALIVE_S = 30.0  # an idle pooled connection older than this is closed, not reused
+# An idle pooled connection older than this is closed, not reused: SGLang's server (uvicorn) closes
+# idle keep-alive connections after 5 s (SGLANG_TIMEOUT_KEEP_ALIVE), and a request written on one at
+# that moment is lost with it (a failed attempt that counts against the worker's breaker).
+_KEEPALIVE_S = 4.0
 # Arrived, not yet relayed body bytes beyond which the worker's socket is not read until the
 # relay takes them (a slow client then slows the worker's connection, not the router's memory).
 _HIGH_WATER = 1 << 20
@@ -182,9 +185,9 @@ class _Connection(asyncio.Protocol):
 class Upstream:
     """An open upstream response whose status and headers are known and whose body is unread."""
 
-    __slots__ = ("worker", "status_code", "_conn", "_client", "_read_timeout_s", "_released")
+    __slots__ = ("_client", "_conn", "_read_timeout_s", "_released", "status_code", "worker")
 
-    def __init__(self, worker: str, conn: _Connection, client: "UpstreamClient", read_timeout_s: float) -> None:
+    def __init__(self, worker: str, conn: _Connection, client: UpstreamClient, read_timeout_s: float) -> None:
         self.worker = worker
         self.status_code = conn.status
         self._conn = conn
@@ -297,7 +300,8 @@ class UpstreamClient:
         now = loop.time()
         while idle:
             conn = idle.pop()  # the most recently used: the least likely to have been closed by the worker
-            if not conn.closed and now - conn.idle_since < _KEEPALIVE_S:
+            fresh = now - conn.idle_since < _KEEPALIVE_S
+            if fresh and not conn.closed and not conn.transport.is_closing():  # type: ignore[union-attr]
                 return conn
             conn.transport.close()  # type: ignore[union-attr]
         host, port, tls = key
