@@ -227,7 +227,8 @@ def _cpu_per_request(doc: dict[str, Any], targets: list[str]) -> list[str]:
     if not cells:
         return []
     L = ["## CPU per request, by process family\n",
-         "CPU milliseconds per completed request during each trial (process CPU time ÷ requests; families in "
+         "CPU milliseconds per request during each trial (process CPU time ÷ the requests answered in the trial, "
+         "warm-up included; families in "
          "`bench/cpu.py`). *Router side*: for kvroute its router replica, the Serve ingress (HAProxy + its "
          "manager + Serve's proxy actor), the Serve controller, kvroute's metrics plane (aggregator + worker "
          "actors) and Ray's own processes; for sglang-router its one process. The load generator is the "

@@ -267,14 +267,14 @@ def target_app(name: str) -> str | None:
     return None
 
 
-def _profiler(profile: Path | None, target: Target, stem: str) -> bench_profile.Recorder | None:
+def _profiler(profile: Path | None, target: Target, stem: str, native: bool = False) -> bench_profile.Recorder | None:
     """With --profile: py-spy on a Serve-hosted target's router replica for the trial (sglang-router
     is a Rust binary: its CPU is measured, not profiled)."""
     app = target_app(target.name)
     if profile is None or app is None:
         return None
     pid = bench_profile.find_pid(rf"ServeReplica:{re.escape(app)}:")
-    return None if pid is None else bench_profile.Recorder(pid, profile / f"{stem}.txt")
+    return None if pid is None else bench_profile.Recorder(pid, profile / f"{stem}.txt", native=native)
 
 
 async def _poll(meter: CpuMeter, every_s: float = 5.0) -> None:
@@ -298,7 +298,7 @@ def model_check(trace: Any, results: list, per_worker: dict[str, dict[str, Any]]
 
 
 async def run_trials(fleet: Any, targets: list[Target], suite: dict[str, Any], base_seed: int, progress,
-                     dump: Path | None = None, profile: Path | None = None) -> list[dict]:
+                     dump: Path | None = None, profile: Path | None = None, native: bool = False) -> list[dict]:
     import httpx
 
     trials: list[dict] = []
@@ -326,7 +326,7 @@ async def run_trials(fleet: Any, targets: list[Target], suite: dict[str, Any], b
                 await fleet.poke(admin)
                 await asyncio.sleep(suite.get("settle_s", 0.1))  # the fresh reports reach the routers
                 before = await fleet.stats(admin)
-                recorder = _profiler(profile, target, f"{workload}-{rate:g}-{target.name}-rep{rep}")
+                recorder = _profiler(profile, target, f"{workload}-{rate:g}-{target.name}-rep{rep}", native)
                 meter.start()
                 poller = asyncio.create_task(_poll(meter))
                 try:
@@ -334,7 +334,8 @@ async def run_trials(fleet: Any, targets: list[Target], suite: dict[str, Any], b
                 finally:
                     poller.cancel()
                 cpu = meter.stop()
-                if recorder is not None and (raw := recorder.stop()) is not None:
+                done_requests = sum(1 for r in results if r.status is not None)
+                if recorder is not None and (raw := recorder.stop(requests=done_requests)) is not None:
                     raw.with_suffix(".top.txt").write_text(bench_profile.summarize(raw))
                 after = await fleet.stats(admin)
                 if dump is not None:
@@ -345,7 +346,10 @@ async def run_trials(fleet: Any, targets: list[Target], suite: dict[str, Any], b
                 if len(suite.get("models", ())) > 1:
                     summary["models"] = model_check(trace, results, summary["per_worker"], fleet.workers_of(),
                                                     fleet.worker_urls)
-                ok = max(1, summary["ok"])
+                # the CPU is the whole trial's, warm-up included: per request answered in it (not only the
+                # measured ones, which undercounted by the warm-up's share — ~9 % in a 60 s trial)
+                ok = max(1, done_requests)
+                summary["cpu_requests"] = done_requests
                 fam = cpu["families_cpu_s"]
                 side = router_side_cpu_s(fam, target.name, target_app(target.name))
                 summary["router_cpu_ms_per_req"] = None if side is None else round(side / ok * 1e3, 3)
@@ -434,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="record every Serve-hosted target's router replica with py-spy during its trials; "
                          "raw stacks and their top entries go to DIR (see bench/profile.py)")
+    ap.add_argument("--profile-native", action="store_true",
+                    help="with --profile: C/C++ frames too (py-spy --native; slower to record)")
     ap.add_argument("--dump", default=None, metavar="DIR",
                     help="write every request's result (per trial) and every kvroute decision (router "
                          "decision_log, one file per kvroute target) as JSON lines to DIR, for diagnosis")
@@ -531,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
         profile = Path(ns.profile).resolve() if ns.profile else None
         if profile is not None:
             profile.mkdir(parents=True, exist_ok=True)
-        trials = asyncio.run(run_trials(fleet, targets, suite, ns.seed, progress, dump, profile))
+        trials = asyncio.run(run_trials(fleet, targets, suite, ns.seed, progress, dump, profile, ns.profile_native))
         if not ns.no_overhead:
             overhead = asyncio.run(run_overhead(targets, suite["overhead"], ns.seed, progress,
                                                 (suite.get("models") or ["default"])[0]))

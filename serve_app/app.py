@@ -10,6 +10,7 @@ request path in `serve_app.forward`, fleet changes in `actors.admin`, peer shari
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import uuid
 from typing import Any, Awaitable, Callable
@@ -78,6 +79,8 @@ class KvRouter:
             ("POST", "/admin/workers"): self.add_workers,
             **{("POST", p): self._proxy_route(p) for p in _PROXIED},
         }
+        if self.config.gc_thresholds is not None:  # (the replica's process is this deployment's alone)
+            gc.set_threshold(*self.config.gc_thresholds)
         self.follower.start()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(share_in_flight(self.core, self.replica_id, self._resolve_aggregator, s))]

@@ -127,7 +127,8 @@ class Forwarder:
             if up.content_type:
                 out_headers.pop("content-type", None)
             await send_stream(send, up.status_code, self._relay(up, ticket, t0, policy),
-                              content_type=up.content_type or "text/event-stream", headers=out_headers)
+                              content_type=up.content_type or "text/event-stream", headers=out_headers,
+                              last=lambda: up.at_eof)
             return
         m.requests.labels(policy, "", "unavailable").inc()
         raise HttpError(

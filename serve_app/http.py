@@ -108,10 +108,17 @@ async def send_error(send: Send, err: HttpError) -> None:
 
 
 async def send_stream(send: Send, status: int, pieces: AsyncIterator[bytes], *, content_type: str,
-                      headers: dict[str, str] | None = None) -> None:
-    """A streamed body (chunked transfer), each piece sent as it comes."""
+                      headers: dict[str, str] | None = None, last: Callable[[], bool] | None = None) -> None:
+    """A streamed body (chunked transfer), each piece sent as it comes. `last()`, asked after each
+    piece arrives, says whether it ends the body: it then goes out with the end of the response in
+    one message (one write) instead of a piece and an empty end."""
     await send({"type": "http.response.start", "status": status, "headers": _headers(headers, content_type)})
     async for piece in pieces:
+        if last is not None and last():
+            await send({"type": "http.response.body", "body": piece})
+            async for extra in pieces:  # `last` said the end: nothing should follow, but never drop bytes
+                raise RuntimeError(f"a piece of {len(extra)} bytes followed the last one")
+            return
         await send({"type": "http.response.body", "body": piece, "more_body": True})
     await send({"type": "http.response.body", "body": b""})
 

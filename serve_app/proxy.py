@@ -1,18 +1,24 @@
-"""Upstream HTTP to SGLang workers: one pooled aiohttp session per replica, streaming pass-through.
+"""Upstream HTTP to SGLang workers: pooled keep-alive HTTP/1.1 connections, streaming pass-through.
 
-aiohttp rather than httpx: its C-accelerated HTTP parser makes relaying a stream cheaper for the
-replica, and its stream reader hands over everything that has arrived in one read, which is what
-lets a relay batch several SSE events into one piece (`Upstream.chunks`).
+A small client on asyncio's protocol layer with httptools' C parser (the parser uvicorn uses)
+rather than a general-purpose one (aiohttp, httpx): a streamed reply costs one parser feed and one
+Python callback per arriving segment — the body bytes are kept as they come, never re-parsed or
+copied into a stream reader — and opening a request is one write of a prebuilt head. Measured
+in the router replica (`bench/results/request-path-2.md`) the general client's per-request and
+per-segment work was a fifth of the replica's request-path samples. The relay batches what
+arrived meanwhile into one piece (`Upstream.chunks`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass, field
+import ssl
+from functools import lru_cache
 from typing import Any, AsyncIterator
+from urllib.parse import urlsplit
 
-import aiohttp
+import httptools
 
 # Hop-by-hop and framing headers we must not copy between the two connections.
 _SKIP_HEADERS = {
@@ -20,11 +26,27 @@ _SKIP_HEADERS = {
     "upgrade", "proxy-authorization", "proxy-authenticate", "authorization", "accept-encoding",
     "content-encoding", "date", "server",
 }
+# A response body is relayed as the worker encoded it (nothing decompresses it), so its
+# content-encoding goes with it; none is asked for (accept-encoding is not forwarded).
+_SKIP_RESPONSE_HEADERS = {h.encode() for h in _SKIP_HEADERS - {"content-encoding"}}
 RETRYABLE_STATUS = {429, 500, 502, 503, 504}  # before the first byte nothing was sent: try elsewhere
 # Events relayed unbatched at a stream's start: SGLang's role-only chat chunk, then the first token's.
 _UNBATCHED_EVENTS = 2
-# What a broken upstream raises: connection reset/refused, truncated body, per-read timeout.
-UPSTREAM_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientError, asyncio.TimeoutError)
+# An idle pooled connection older than this is closed, not reused: SGLang's server (uvicorn) closes
+# idle keep-alive connections after 5 s (SGLANG_TIMEOUT_KEEP_ALIVE), and a request written on one at
+# that moment is lost with it (a failed attempt that counts against the worker's breaker).
+_KEEPALIVE_S = 4.0
+# Arrived, not yet relayed body bytes beyond which the worker's socket is not read until the
+# relay takes them (a slow client then slows the worker's connection, not the router's memory).
+_HIGH_WATER = 1 << 20
+
+
+class UpstreamBroken(ConnectionError):
+    """The worker's connection broke, or its answer was malformed, after the request was sent."""
+
+
+# What a broken upstream raises: connection reset, truncated or malformed body, per-read timeout.
+UPSTREAM_ERRORS: tuple[type[BaseException], ...] = (UpstreamBroken, asyncio.TimeoutError)
 
 
 class UpstreamError(Exception):
@@ -48,28 +70,165 @@ class UpstreamError(Exception):
         return not self.timeout and (self.status is None or self.status >= 500)
 
 
-@dataclass(slots=True)
+def _expire(waiter: asyncio.Future[bool]) -> None:
+    if not waiter.done():
+        waiter.set_result(False)
+
+
+class _Connection(asyncio.Protocol):
+    """One HTTP/1.1 connection to a worker and the response being read on it (httptools callbacks)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, key: tuple[str, int, bool]) -> None:
+        self.loop = loop
+        self.key = key  # (host, port, tls): its pool
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self.idle_since = 0.0
+        self._waiter: asyncio.Future[bool] | None = None
+        self._wake_on_body = False
+        self.reset()
+
+    def reset(self) -> None:
+        """Ready for the next request on this connection."""
+        self.status = 0
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.head_done = False
+        self.done = False  # the whole response is in
+        self.body: list[bytes] = []  # arrived, not yet taken
+        self.buffered = 0  # bytes in `body`
+        self.paused = False
+        self.error: UpstreamBroken | None = None
+        self.keep_alive = False
+        self.until_close = False  # a body without length or chunking: it ends when the connection does
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamBroken(f"malformed response: {exc}"))
+            self.transport.close()  # type: ignore[union-attr]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.until_close and exc is None and not self.done:
+            self.done = True
+            self._wake()
+        if not self.done:
+            what = f"{type(exc).__name__}: {exc}" if exc is not None else "the worker closed the connection"
+            self._fail(UpstreamBroken(f"{what} before the response ended"))
+
+    # httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.raw_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self.keep_alive = self.parser.should_keep_alive()
+        names = {k.lower() for k, _ in self.raw_headers}
+        self.until_close = (b"content-length" not in names and b"transfer-encoding" not in names
+                            and self.status not in (204, 304) and not 100 <= self.status < 200)
+        self.head_done = True
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+        self.buffered += len(body)
+        if self.buffered > _HIGH_WATER and not self.paused:
+            self.paused = True
+            self.transport.pause_reading()  # type: ignore[union-attr]
+        if self._wake_on_body:
+            self._wake()
+
+    def on_message_complete(self) -> None:
+        self.done = True
+        self._wake()
+
+    def _fail(self, exc: UpstreamBroken) -> None:
+        if self.error is None:
+            self.error = exc
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(True)
+
+    async def wait(self, timeout_s: float, *, on_body: bool) -> bool:
+        """Until the head completes, the response ends, the connection breaks or (with `on_body`)
+        body bytes arrive — True — or `timeout_s` passes: False."""
+        w = self._waiter = self.loop.create_future()
+        self._wake_on_body = on_body
+        timer = self.loop.call_later(timeout_s, _expire, w)
+        try:
+            return await w
+        finally:
+            timer.cancel()
+            self._waiter = None
+            self._wake_on_body = False
+
+    def take(self) -> bytes:
+        body = self.body
+        data = body[0] if len(body) == 1 else b"".join(body)
+        self.body = []
+        self.buffered = 0
+        if self.paused and not self.closed:
+            self.paused = False
+            self.transport.resume_reading()  # type: ignore[union-attr]
+        return data
+
+
 class Upstream:
     """An open upstream response whose status and headers are known and whose body is unread."""
 
-    worker: str
-    response: aiohttp.ClientResponse
-    _eof: asyncio.Future[None] | None = field(default=None, repr=False)
+    __slots__ = ("_client", "_conn", "_read_timeout_s", "_released", "status_code", "worker")
 
-    @property
-    def status_code(self) -> int:
-        return self.response.status
+    def __init__(self, worker: str, conn: _Connection, client: UpstreamClient, read_timeout_s: float) -> None:
+        self.worker = worker
+        self.status_code = conn.status
+        self._conn = conn
+        self._client = client
+        self._read_timeout_s = read_timeout_s
+        self._released = False
 
     @property
     def content_type(self) -> str | None:
-        return self.response.headers.get("content-type")
+        for k, v in self._conn.raw_headers:
+            if k.lower() == b"content-type":
+                return v.decode("latin-1")
+        return None
+
+    @property
+    def at_eof(self) -> bool:
+        """The whole body has arrived and been taken: the piece just yielded was the last."""
+        return self._conn.done and not self._conn.body
 
     def headers(self) -> dict[str, str]:
-        return {k: v for k, v in self.response.headers.items() if k.lower() not in _SKIP_HEADERS}
+        return {k.decode("latin-1"): v.decode("latin-1") for k, v in self._conn.raw_headers
+                if k.lower() not in _SKIP_RESPONSE_HEADERS}
+
+    async def _more(self) -> None:
+        """Wait for body bytes, the end or a break; a silent worker is a TimeoutError."""
+        conn = self._conn
+        if conn.error is not None:
+            raise conn.error
+        if not await conn.wait(self._read_timeout_s, on_body=True):
+            raise asyncio.TimeoutError(f"worker {self.worker}: nothing for {self._read_timeout_s} s")
 
     async def read(self) -> bytes:
         """The whole body (raises one of UPSTREAM_ERRORS if the worker breaks off)."""
-        return await self.response.read()
+        conn = self._conn
+        parts: list[bytes] = []
+        while True:
+            if conn.body:
+                parts.append(conn.take())  # (taking also resumes a connection paused at the high-water mark)
+            if conn.done:
+                return parts[0] if len(parts) == 1 else b"".join(parts)
+            await self._more()
 
     async def chunks(self, batch_interval_s: float = 0.0) -> AsyncIterator[bytes]:
         """The body as it arrives, bytes unchanged (SSE events stay whole and in order).
@@ -80,36 +239,46 @@ class Upstream:
         until `batch_interval_s` after the previous piece went out and leaves together with
         everything else that came meanwhile. A 12-token reply then leaves the replica (and crosses
         Serve's ingress) as a few pieces instead of one per token, each of which costs CPU. The end
-        of the body leaves the moment it arrives, so completion is never delayed.
+        of the body leaves the moment it arrives, so completion is never delayed (`at_eof` tells
+        the caller that a piece was the last).
         """
-        content = self.response.content
+        conn = self._conn
         events_out = 0
         while True:
-            data = await content.readany()
-            if not data:
-                return
-            yield data
-            if batch_interval_s <= 0 or content.at_eof():
-                continue
-            if events_out < _UNBATCHED_EVENTS:
-                events_out += data.count(b"\n\n")
-                if events_out < _UNBATCHED_EVENTS:
+            if conn.body:
+                data = conn.take()
+                yield data
+                if batch_interval_s <= 0 or conn.done:
                     continue
-            await asyncio.wait((self._eof_future(),), timeout=batch_interval_s)
-
-    def _eof_future(self) -> asyncio.Future[None]:
-        if self._eof is None:
-            eof = self._eof = asyncio.get_running_loop().create_future()
-            self.response.content.on_eof(lambda: eof.done() or eof.set_result(None))
-        return self._eof
+                if events_out < _UNBATCHED_EVENTS:
+                    events_out += data.count(b"\n\n")
+                    if events_out < _UNBATCHED_EVENTS:
+                        continue
+                if conn.error is None:
+                    await conn.wait(batch_interval_s, on_body=False)  # the end or a break cuts it short
+            elif conn.done:
+                return
+            else:
+                await self._more()
 
     async def close(self) -> None:
         """Back to the pool if the body was read to its end; otherwise the connection is closed
         (that is also what tells SGLang to abort a request whose client went away)."""
-        if self.response.content.at_eof():
-            self.response.release()
-        else:
-            self.response.close()
+        if self._released:
+            return
+        self._released = True
+        self._client._release(self._conn)
+
+
+@lru_cache(maxsize=4096)
+def _target(url: str) -> tuple[tuple[str, int, bool], bytes]:
+    """(host, port, tls) and the request target of an http(s) URL."""
+    u = urlsplit(url)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise ValueError(f"not an http(s) URL: {url!r}")
+    tls = u.scheme == "https"
+    target = (u.path or "/") + (f"?{u.query}" if u.query else "")
+    return (u.hostname, u.port or (443 if tls else 80), tls), target.encode("latin-1")
 
 
 def forward_headers(headers: Any) -> dict[str, str]:
@@ -120,44 +289,97 @@ class UpstreamClient:
     """Opens requests to workers; raises UpstreamError for failures a retry elsewhere may fix."""
 
     def __init__(self, connect_timeout_s: float, read_timeout_s: float) -> None:
-        # connect bounds pool wait + TCP connect; sock_read bounds each read (headers, then every chunk)
-        self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s,
-                                              sock_connect=connect_timeout_s, sock_read=read_timeout_s)
-        self._session: aiohttp.ClientSession | None = None  # made on first use, on the serving loop
+        self._connect_timeout_s = connect_timeout_s  # TCP (+ TLS) connect
+        self._read_timeout_s = read_timeout_s  # each wait for the worker: the head, then every body read
+        self._idle: dict[tuple[str, int, bool], list[_Connection]] = {}
+        self._ssl: ssl.SSLContext | None = None
 
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
-                timeout=self._timeout,
-                auto_decompress=True,  # a compressed body is decoded, so dropping content-encoding is right
-                skip_auto_headers=("Accept-Encoding",),  # and none is asked for
-                trust_env=False,  # workers are reached directly, never through an env-configured proxy
-            )
-        return self._session
+    async def _connect(self, worker: str, key: tuple[str, int, bool]) -> _Connection:
+        loop = asyncio.get_running_loop()
+        idle = self._idle.get(key)
+        now = loop.time()
+        while idle:
+            conn = idle.pop()  # the most recently used: the least likely to have been closed by the worker
+            fresh = now - conn.idle_since < _KEEPALIVE_S
+            if fresh and not conn.closed and not conn.transport.is_closing():  # type: ignore[union-attr]
+                return conn
+            conn.transport.close()  # type: ignore[union-attr]
+        host, port, tls = key
+        if tls and self._ssl is None:
+            self._ssl = ssl.create_default_context()
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(lambda: _Connection(loop, key), host, port, ssl=self._ssl if tls else None),
+                self._connect_timeout_s)
+        except asyncio.TimeoutError:
+            raise UpstreamError(worker, f"timed out connecting ({self._connect_timeout_s} s)", timeout=True) from None
+        except OSError as exc:
+            raise UpstreamError(worker, f"{type(exc).__name__}: {str(exc)[:120]}") from None
+        return conn
+
+    def _release(self, conn: _Connection) -> None:
+        if conn.done and conn.keep_alive and not conn.closed and conn.error is None:
+            if conn.paused:
+                conn.transport.resume_reading()  # type: ignore[union-attr]
+            conn.reset()
+            conn.idle_since = conn.loop.time()
+            self._idle.setdefault(conn.key, []).append(conn)
+            return
+        self._abort(conn)
 
     async def open(self, worker: str, method: str, url: str, *, content: bytes | None = None,
                    headers: dict[str, str] | None = None) -> Upstream:
         try:
-            resp = await self._client().request(method, url, data=content, headers=headers, allow_redirects=False)
-        except asyncio.TimeoutError as exc:
-            raise UpstreamError(worker, f"timed out before the response ({type(exc).__name__})",
+            key, target = _target(url)
+        except ValueError as exc:
+            raise UpstreamError(worker, str(exc)) from None
+        conn = await self._connect(worker, key)
+        host, port, _ = key
+        head = [method.encode("latin-1"), b" ", target, b" HTTP/1.1\r\nhost: ", f"{host}:{port}".encode("latin-1")]
+        for k, v in (headers or {}).items():
+            head += [b"\r\n", k.encode("latin-1"), b": ", v.encode("latin-1")]
+        if content is not None:
+            head += [b"\r\ncontent-length: ", str(len(content)).encode()]
+        head.append(b"\r\n\r\n")
+        if content:
+            head.append(content)
+        try:
+            conn.transport.write(b"".join(head))  # type: ignore[union-attr]
+            while not conn.head_done:
+                if conn.error is not None:
+                    raise conn.error
+                if not await conn.wait(self._read_timeout_s, on_body=False):
+                    raise asyncio.TimeoutError
+        except asyncio.TimeoutError:
+            self._abort(conn)
+            raise UpstreamError(worker, f"timed out before the response ({self._read_timeout_s} s)",
                                 timeout=True) from None
-        except aiohttp.ClientError as exc:
+        except (UpstreamBroken, OSError) as exc:
+            self._abort(conn)
             raise UpstreamError(worker, f"{type(exc).__name__}: {str(exc)[:120]}") from None
-        if resp.status in RETRYABLE_STATUS:
-            retry_after = resp.headers.get("retry-after")
-            try:
-                body = (await resp.content.read(200)).decode("utf-8", "replace")
-            except UPSTREAM_ERRORS:
-                body = ""
-            resp.close()
-            raise UpstreamError(worker, f"status {resp.status}: {body}", resp.status, retry_after)
-        return Upstream(worker, resp)
+        except BaseException:  # cancelled (the client went away): the worker must see the request end
+            self._abort(conn)
+            raise
+        up = Upstream(worker, conn, self, self._read_timeout_s)
+        if conn.status in RETRYABLE_STATUS:
+            retry_after = next((v.decode("latin-1") for k, v in conn.raw_headers if k.lower() == b"retry-after"), None)
+            if not conn.body and not conn.done and conn.error is None:
+                await conn.wait(self._read_timeout_s, on_body=True)
+            body = b"".join(conn.body)[:200].decode("utf-8", "replace")
+            self._abort(conn)
+            raise UpstreamError(worker, f"status {conn.status}: {body}", conn.status, retry_after)
+        return up
+
+    def _abort(self, conn: _Connection) -> None:
+        conn.closed = True
+        if conn.transport is not None:
+            conn.transport.close()
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        for idle in self._idle.values():
+            for conn in idle:
+                self._abort(conn)
+            idle.clear()
 
 
 def sse_error_event(message: str, code: str = "upstream_failed") -> bytes:

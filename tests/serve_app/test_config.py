@@ -188,3 +188,13 @@ def test_serve_args_without_a_fleet_can_still_set_the_metrics_plane_settings():
     assert AppArgs.model_validate({}).plane_settings() == AppArgs.model_validate({}).plane_settings().__class__()
     with pytest.raises(ValueError, match="only for a deployment without args.fleet"):
         AppArgs.model_validate({"settings": {"heartbeat_s": 0.7}, "fleet": {"workers": WORKERS}})
+
+
+def test_router_gc_thresholds_default_to_fewer_collections_and_refuse_switching_gc_off():
+    from serve_app.config import RouterConfig
+
+    assert RouterConfig().gc_thresholds == (20_000, 20, 20)
+    assert RouterConfig(gc_thresholds=[1000, 10, 10]).gc_thresholds == (1000, 10, 10)
+    assert RouterConfig(gc_thresholds=None).gc_thresholds is None
+    with pytest.raises(ValueError, match="≥ 1"):
+        RouterConfig(gc_thresholds=[0, 10, 10])

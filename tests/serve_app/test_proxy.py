@@ -211,3 +211,64 @@ async def test_a_slow_worker_is_a_timeout_that_never_opens_its_breaker():
         await client.aclose()
     assert UpstreamError("w", "status 503", 503).counts_for_breaker
     assert not UpstreamError("w", "status 429", 429).counts_for_breaker
+
+
+async def test_a_large_body_is_read_whole_and_the_connection_is_reused():
+    """Bodies above the relay's buffer bound (1 MiB) are read whole, not stalled; a connection whose
+    response ended is pooled and serves the next request."""
+    big = b"x" * (3 << 20)
+    peers: list[tuple] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        peers.append(request.transport.get_extra_info("peername"))
+        return web.Response(body=big if request.path == "/big" else b"small")
+
+    runner, url = await _serve(handler)
+    client = UpstreamClient(2.0, 10.0)
+    try:
+        up = await client.open("w", "GET", url + "/big")
+        assert await up.read() == big
+        await up.close()
+        up = await client.open("w", "GET", url + "/small")
+        assert await up.read() == b"small"
+        await up.close()
+        assert len(peers) == 2 and peers[0] == peers[1]  # one connection, kept alive
+    finally:
+        await client.aclose()
+        await runner.cleanup()
+
+
+async def test_a_stream_closed_early_closes_its_connection():
+    """A relay that stops before the end (the client went away) closes the worker's connection —
+    what makes SGLang abort the request — and the next request gets a fresh one."""
+    closed = asyncio.Event()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            for ev in EVENTS:
+                await resp.write(ev)
+                await asyncio.sleep(0.05)
+        except (ConnectionResetError, asyncio.CancelledError):
+            closed.set()
+            raise
+        await resp.write_eof()
+        return resp
+
+    runner, url = await _serve(handler)
+    client = UpstreamClient(2.0, 10.0)
+    try:
+        up = await client.open("w", "POST", url + "/x", content=b"{}")
+        async for chunk in up.chunks(0.0):
+            assert chunk == EVENTS[0]
+            break
+        await up.close()
+        await asyncio.wait_for(closed.wait(), 2.0)
+        up = await client.open("w", "POST", url + "/x", content=b"{}")
+        assert b"".join([c async for c in up.chunks(0.0)]) == b"".join(EVENTS)
+        assert up.at_eof
+        await up.close()
+    finally:
+        await client.aclose()
+        await runner.cleanup()
