@@ -42,6 +42,25 @@ from actors.protocol import (
 logger = logging.getLogger("kvroute.kv_subscriber")
 
 
+def _bind_ranks(sock: zmq.Socket, host: str, ranks: int, attempts: int = 50) -> int:
+    """Bind `sock` on `ranks` consecutive free ports of `host` (a random base; another base when a
+    port above it is taken) and return the base."""
+    last: zmq.ZMQError | None = None
+    for _ in range(attempts):
+        base = sock.bind_to_random_port(f"tcp://{host}", max_port=65536 - ranks)
+        bound = [base]
+        try:
+            for r in range(1, ranks):
+                sock.bind(f"tcp://{host}:{base + r}")
+                bound.append(base + r)
+            return base
+        except zmq.ZMQError as exc:  # base + r is taken: release what we bound, try another base
+            last = exc
+            for port in bound:
+                sock.unbind(f"tcp://{host}:{port}")
+    raise last if last is not None else zmq.ZMQError(zmq.EADDRINUSE)
+
+
 class SubscribeError(RuntimeError):
     """The KV-event socket cannot be bound or connected (the message names worker and endpoint)."""
 
@@ -91,14 +110,11 @@ class KvSubscriber:
             if endpoint == "auto":  # we bind a port, the engine connects to it
                 from actors.launcher import free_port
 
-                base = sock.bind_to_random_port(f"tcp://{host}")
-                for r in range(1, ranks):  # rank r publishes on base + r
-                    sock.bind(f"tcp://{host}:{base + r}")
-                endpoint = f"tcp://{host}:{base}"
+                endpoint = f"tcp://{host}:{_bind_ranks(sock, host, ranks)}"  # rank r publishes on base + r
                 # a connecting PUB loses what it sends before our subscription reached it (libzmq applies
                 # it at the first send, so batch 0 is always lost): the engine's replay ROUTER, which
-                # SGLang always binds, gives those batches back
-                replay_endpoint = replay_endpoint or f"tcp://{host}:{free_port(host)}"
+                # SGLang always binds (rank r on its base + r), gives those batches back
+                replay_endpoint = replay_endpoint or f"tcp://{host}:{free_port(host, count=ranks)}"
                 bind = None
                 self.plans = [KvEventsPlan(r, "bind", rank_endpoint(endpoint, r), rank_endpoint(replay_endpoint, r))
                               for r in range(ranks)]

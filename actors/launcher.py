@@ -51,19 +51,25 @@ def _die_with_parent() -> None:
 PORT_RANGE = (12000, 19999)
 
 
-def free_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
-    """A TCP port in `PORT_RANGE` that was free on `host` a moment ago."""
+def free_port(host: str = "127.0.0.1", rng: random.Random | None = None, count: int = 1) -> int:
+    """A TCP port in `PORT_RANGE` that was free on `host` a moment ago — with `count` > 1, the first of
+    `count` consecutive ones (SGLang offsets a DP rank's ports by its rank)."""
     rng = rng or random.Random()
     lo, hi = PORT_RANGE
     for _ in range(200):
-        port = rng.randint(lo, hi)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
+        port = rng.randint(lo, hi - count + 1)
+        if all(_bindable(host, port + k) for k in range(count)):
             return port
-    raise LaunchError(f"no free port on {host} in {lo}-{hi}")
+    raise LaunchError(f"no {count} consecutive free port(s) on {host} in {lo}-{hi}")
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
 
 
 def _flags(args: dict[str, Any]) -> list[str]:
