@@ -63,3 +63,16 @@ def serve_port(ray_cluster):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     return port
+
+
+@pytest.fixture(scope="module")
+def agg(ray_cluster):
+    """kvroute's aggregator actor on the session's Ray (created on demand, as `kvroute serve` does)."""
+    import ray
+
+    from actors.aggregator import get_or_create_aggregator
+    from actors.models import Settings
+
+    a = get_or_create_aggregator(Settings())
+    ray.get(a.ping.remote(), timeout=30)
+    return a

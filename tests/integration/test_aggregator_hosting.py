@@ -21,18 +21,6 @@ VALUES = dict(request_active_slots=5, request_total_slots=64, kv_active_blocks=3
               num_requests_waiting=0, gpu_cache_usage_perc=0.05, gpu_prefix_cache_hit_rate=0.0, data_parallel_rank=0)
 
 
-@pytest.fixture(scope="module")
-def agg(ray_cluster):
-    import ray
-
-    from actors.aggregator import get_or_create_aggregator
-    from actors.models import Settings
-
-    a = get_or_create_aggregator(Settings())
-    ray.get(a.ping.remote(), timeout=30)
-    return a
-
-
 @pytest.fixture
 def worker(agg, tmp_path):
     """One attach-mode worker (a /health server) started as `kvroute serve` starts it."""

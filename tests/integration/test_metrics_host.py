@@ -17,18 +17,6 @@ pytestmark = pytest.mark.ray
 PREFIX = "test-metrics-host-"
 
 
-@pytest.fixture(scope="module")
-def agg(ray_cluster):
-    import ray
-
-    from actors.aggregator import get_or_create_aggregator
-    from actors.models import Settings
-
-    a = get_or_create_aggregator(Settings())
-    ray.get(a.ping.remote(), timeout=30)
-    return a
-
-
 @pytest.fixture
 def hosted(agg, tmp_path):
     """Two attach-mode workers (a /health server each) hosted by this node's metrics host."""

@@ -20,18 +20,6 @@ from tests.integration.helpers import wait_for
 pytestmark = pytest.mark.ray
 
 
-@pytest.fixture(scope="module")
-def agg(ray_cluster):
-    import ray
-
-    from actors.aggregator import get_or_create_aggregator
-    from actors.models import Settings
-
-    a = get_or_create_aggregator(Settings())
-    ray.get(a.ping.remote(), timeout=30)
-    return a
-
-
 def _push(address: str) -> zmq.Socket:
     s = zmq.Context.instance().socket(zmq.PUSH)
     s.setsockopt(zmq.LINGER, 0)
