@@ -51,7 +51,16 @@ def fleet_env(ray_cluster, serve_port, tmp_path_factory):
     )
     base = f"http://127.0.0.1:{serve_port}{PREFIX}"
     client = httpx.Client(base_url=base, timeout=10)
-    wait_for(lambda: len(client.get("/workers").json()["workers"]) == N, 30, what="all workers in /workers")
+    seen: list[str] = []
+
+    def all_there() -> bool:
+        seen[:] = [w["name"] for w in client.get("/workers").json()["workers"]]
+        return len(seen) == N
+
+    try:
+        wait_for(all_there, 30, what=f"all {N} workers in /workers")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; the router's /workers last named {seen}") from None
     yield {"client": client, "actors": actors, "emitters": emitters, "servers": servers, "fleet": fleet}
     client.close()
     serve.delete("spine")
