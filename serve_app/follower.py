@@ -161,8 +161,6 @@ class FleetFollower:
             for gone in [n for n in fresh if n not in names]:
                 del fresh[gone]
                 changed.append(gone)
-        if fresh is not self.workers:  # a snapshot or a new epoch: who is not in it left the fleet
-            changed.extend(n for n in self.workers if n not in fresh)
         self.workers = fresh
         self.epoch = delta.epoch
         self.version = delta.version

@@ -63,27 +63,6 @@ def test_a_full_snapshot_of_a_new_epoch_replaces_everything():
     assert list(f.workers) == ["b"] and f.epoch == new.epoch
 
 
-def test_a_snapshot_names_the_workers_it_no_longer_holds_as_changed():
-    """A worker removed while the follower was cut off (missed delta, aggregator restart) is absent
-    from the snapshot that resyncs it: the router must hear of it, or it keeps routing there."""
-    old, new = FleetRegistry(Settings(), clock=Clock()), FleetRegistry(Settings(), clock=Clock())
-    f = FleetFollower(_none)
-    old.report(report("a"))
-    old.report(report("gone"))
-    f.apply(old.snapshot())
-    new.report(report("a"))
-    assert sorted(f.apply(new.snapshot())) == ["a", "gone"]
-    assert list(f.workers) == ["a"]
-    same = FleetRegistry(Settings(), clock=Clock())  # same epoch, full snapshot after a missed delta
-    same.report(report("a"))
-    same.report(report("b"))
-    f2 = FleetFollower(_none)
-    f2.apply(same.snapshot())
-    same.remove("b")
-    assert sorted(f2.apply(same.snapshot())) == ["a", "b"]
-    assert list(f2.workers) == ["a"]
-
-
 def test_the_managed_process_and_kv_event_subscription_reach_the_record_by_name():
     from actors.protocol import KvEventsStatus, KvHandshakeSide, ManagedEngine
 
@@ -118,19 +97,3 @@ def test_a_worker_record_is_built_with_keywords_only():
         WorkerRecord("w", "u", 16, "live", True)  # noqa: the 11-positional form is gone
     rec = WorkerRecord(name="w", url="u", page_size=16, state="live", healthy=True, heartbeat_at=1.0)
     assert rec.metrics is None and rec.ranks == [] and rec.in_flight_by_replica == {}
-
-
-def test_a_worker_missing_from_a_resync_snapshot_is_no_longer_routed_to():
-    from serve_app.config import RouterConfig
-    from serve_app.router import RouterCore
-
-    reg = FleetRegistry(Settings(), clock=Clock())
-    core = RouterCore(RouterConfig(), FleetFollower(_none), "r0")
-    for n in ("a", "b"):
-        reg.report(report(n))
-    core.on_fleet_update(core.follower.apply(reg.snapshot()))
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-    assert {core.decide(core.facts(body), "round_robin")[0].worker for _ in range(4)} == {"a", "b"}
-    reg.remove("b")
-    core.on_fleet_update(core.follower.apply(reg.snapshot()))  # the delta naming it was missed
-    assert {core.decide(core.facts(body), "round_robin")[0].worker for _ in range(4)} == {"a"}
