@@ -187,7 +187,9 @@ class FleetDelta(msgspec.Struct, array_like=True, frozen=True):
     `workers`, those whose ranks alone changed in `metrics` (never both). `names` is the whole
     membership, sent only when it changed in that range (and in every full snapshot). A follower
     at version v applies a delta iff same epoch and `prev_version <= v < version`; a delta with
-    `prev_version > v` means it missed one and must resync from a full snapshot."""
+    `prev_version > v` means it missed one and must resync from a full snapshot. `replicas`: the
+    router replicas whose in-flight shares are current (`InFlightShare`), sent like `names` — when
+    it changed in that range, and in every full snapshot; a replica alone in it need not share fast."""
 
     epoch: str
     version: int
@@ -196,6 +198,7 @@ class FleetDelta(msgspec.Struct, array_like=True, frozen=True):
     workers: list[WorkerUpdate]
     names: list[str] | None = None
     metrics: list[MetricsUpdate] = []
+    replicas: list[str] | None = None
 
 
 class Endpoints(msgspec.Struct, frozen=True):

@@ -87,6 +87,7 @@ class FleetRegistry:
         self._dirty: dict[str, bool] = {}  # changed since the last take_delta() → more than its ranks?
         self._published = 0  # version of the last take_delta()
         self._members_at = 0  # version of the last membership change
+        self._replicas_at = 0  # version of the last change of the sharing router replicas
 
     # --- writes -------------------------------------------------------------------------------
 
@@ -176,7 +177,10 @@ class FleetRegistry:
         now = self.clock()
         old = self._in_flight.get(replica)
         self._in_flight[replica] = (now, dict(counts))
-        if old is not None and old[1] == counts:
+        if old is None:  # a replica arrived: followers learn it (`FleetDelta.replicas`)
+            self.version += 1
+            self._replicas_at = self.version
+        elif old[1] == counts:
             return False
         for name in set(counts) | set(old[1] if old else {}):
             if name in self._workers:
@@ -207,6 +211,8 @@ class FleetRegistry:
                 for name in counts:
                     if name in self._workers:
                         self._bump(self._workers[name])
+                self.version += 1
+                self._replicas_at = self.version
                 changed = True
         return changed
 
@@ -231,7 +237,8 @@ class FleetRegistry:
         """The whole fleet now, for a follower that starts or must resync."""
         now = self.clock()
         return FleetDelta(epoch=self.epoch, version=self.version, prev_version=0, full=True,
-                          workers=[self._public(w, now) for w in self._workers.values()], names=list(self._workers))
+                          workers=[self._public(w, now) for w in self._workers.values()], names=list(self._workers),
+                          replicas=list(self._in_flight))
 
     def take_delta(self) -> FleetDelta | None:
         """Workers changed since the previous call (None if nothing did): what the publisher sends."""
@@ -249,8 +256,9 @@ class FleetRegistry:
             else:
                 ranks_only.append(MetricsUpdate(n, max(0.0, now - w.metrics_at), self._ranks(w), w.version))
         names = list(workers) if self._members_at > self._published else None
+        replicas = list(self._in_flight) if self._replicas_at > self._published else None
         delta = FleetDelta(epoch=self.epoch, version=self.version, prev_version=self._published, full=False,
-                           workers=whole, names=names, metrics=ranks_only)
+                           workers=whole, names=names, metrics=ranks_only, replicas=replicas)
         self._published = self.version
         self._dirty.clear()
         return delta

@@ -94,6 +94,8 @@ class FleetFollower:
         self.silence_s = silence_s
         self.on_update = on_update
         self.workers: dict[str, WorkerRecord] = {}
+        # the router replicas sharing in-flight counts through the aggregator (this one included once it shared)
+        self.replicas: frozenset[str] = frozenset()
         self.epoch: str | None = None
         self.version = 0
         self.connected = False
@@ -161,6 +163,8 @@ class FleetFollower:
             for gone in [n for n in fresh if n not in names]:
                 del fresh[gone]
                 changed.append(gone)
+        if delta.replicas is not None or delta.full:
+            self.replicas = frozenset(delta.replicas or ())
         self.workers = fresh
         self.epoch = delta.epoch
         self.version = delta.version

@@ -162,7 +162,8 @@ class Forwarder:
         first = True
         outcome = "cancelled"
         try:
-            async for chunk in up.chunks(self.config.stream_batching_interval_ms / 1e3):
+            async for chunk in up.chunks(self.config.stream_batching_interval_ms / 1e3,
+                                              hold_reads=self.config.stream_batching_hold_reads):
                 if first:
                     ticket.first_token()
                     self.metrics.ttft_seconds.labels(worker).observe(time.perf_counter() - t0)

@@ -284,7 +284,8 @@ class PdDispatch:
                     if up.status_code >= 400 or not stream:  # a whole body (an error status is not retryable)
                         first = asyncio.ensure_future(up.read())
                     else:
-                        chunks = up.chunks(fw.config.stream_batching_interval_ms / 1e3)
+                        chunks = up.chunks(fw.config.stream_batching_interval_ms / 1e3,
+                                           hold_reads=fw.config.stream_batching_hold_reads)
                         first = asyncio.ensure_future(chunks.__anext__())
                     continue
                 if first is not None and first.done():

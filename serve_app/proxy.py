@@ -97,7 +97,8 @@ class _Connection(asyncio.Protocol):
         self.done = False  # the whole response is in
         self.body: list[bytes] = []  # arrived, not yet taken
         self.buffered = 0  # bytes in `body`
-        self.paused = False
+        self.paused = False  # not read: `body` is above the high-water mark until the relay takes it
+        self.held = False  # not read: a batch window is on (`hold`), the worker's bytes wait in the kernel
         self.error: UpstreamBroken | None = None
         self.keep_alive = False
         self.until_close = False  # a body without length or chunking: it ends when the connection does
@@ -140,7 +141,8 @@ class _Connection(asyncio.Protocol):
         self.buffered += len(body)
         if self.buffered > _HIGH_WATER and not self.paused:
             self.paused = True
-            self.transport.pause_reading()  # type: ignore[union-attr]
+            if not self.held:
+                self.transport.pause_reading()  # type: ignore[union-attr]
         if self._wake_on_body:
             self._wake()
 
@@ -176,10 +178,28 @@ class _Connection(asyncio.Protocol):
         data = body[0] if len(body) == 1 else b"".join(body)
         self.body = []
         self.buffered = 0
-        if self.paused and not self.closed:
+        if self.paused:
             self.paused = False
-            self.transport.resume_reading()  # type: ignore[union-attr]
+            if not self.held and not self.closed:
+                self.transport.resume_reading()  # type: ignore[union-attr]
         return data
+
+    def hold(self) -> None:
+        """Stop reading the worker's socket until `unhold`: what it writes meanwhile waits in the
+        kernel's buffer and arrives in one read then, instead of one loop wake-up, read and parser
+        pass per token. Nothing on the connection is seen meanwhile — its end, a reset — so hold
+        only for a bounded time. (Independent of the high-water pause: reading resumes when neither
+        holds it.)"""
+        if not self.held and not self.closed:
+            self.held = True
+            if not self.paused:
+                self.transport.pause_reading()  # type: ignore[union-attr]
+
+    def unhold(self) -> None:
+        if self.held:
+            self.held = False
+            if not self.paused and not self.closed:
+                self.transport.resume_reading()  # type: ignore[union-attr]
 
 
 class Upstream:
@@ -230,7 +250,7 @@ class Upstream:
                 return parts[0] if len(parts) == 1 else b"".join(parts)
             await self._more()
 
-    async def chunks(self, batch_interval_s: float = 0.0) -> AsyncIterator[bytes]:
+    async def chunks(self, batch_interval_s: float = 0.0, *, hold_reads: bool = False) -> AsyncIterator[bytes]:
         """The body as it arrives, bytes unchanged (SSE events stay whole and in order).
 
         With `batch_interval_s` > 0, the first two SSE events go out the moment they arrive —
@@ -238,9 +258,14 @@ class Upstream:
         so neither the first byte nor the first token is held — and after that, what arrives waits
         until `batch_interval_s` after the previous piece went out and leaves together with
         everything else that came meanwhile. A 12-token reply then leaves the replica (and crosses
-        Serve's ingress) as a few pieces instead of one per token, each of which costs CPU. The end
-        of the body leaves the moment it arrives, so completion is never delayed (`at_eof` tells
-        the caller that a piece was the last).
+        Serve's ingress) as a few pieces instead of one per token, each of which costs CPU.
+
+        Without `hold_reads` the connection is read meanwhile and the end of the body leaves the
+        moment it arrives (`at_eof` tells the caller that a piece was the last). With it, the
+        connection is not read while a piece waits (`_Connection.hold`): the tokens of one piece
+        are read in one go instead of one wake-up each, but the end of the body (or a break) is
+        then seen only when the interval ends — the last piece waits like the others, at most
+        `batch_interval_s`.
         """
         conn = self._conn
         events_out = 0
@@ -254,7 +279,15 @@ class Upstream:
                     events_out += data.count(b"\n\n")
                     if events_out < _UNBATCHED_EVENTS:
                         continue
-                if conn.error is None:
+                if conn.error is not None:
+                    continue
+                if hold_reads:
+                    conn.hold()
+                    try:
+                        await asyncio.sleep(batch_interval_s)
+                    finally:
+                        conn.unhold()  # what waited is read at the next loop pass; `_more` waits for it
+                else:
                     await conn.wait(batch_interval_s, on_body=False)  # the end or a break cuts it short
             elif conn.done:
                 return
@@ -319,7 +352,7 @@ class UpstreamClient:
 
     def _release(self, conn: _Connection) -> None:
         if conn.done and conn.keep_alive and not conn.closed and conn.error is None:
-            if conn.paused:
+            if conn.paused or conn.held:
                 conn.transport.resume_reading()  # type: ignore[union-attr]
             conn.reset()
             conn.idle_since = conn.loop.time()

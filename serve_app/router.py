@@ -286,6 +286,12 @@ class RouterCore:
         self.ledger.refresh_remote()
         return self.ledger.export()
 
+    def has_peers(self) -> bool:
+        """Whether another router replica shares its in-flight counts (the aggregator's deltas name
+        them): only then is this replica's share worth sending at the fast cadence."""
+        replicas = self.follower.replicas
+        return len(replicas) > 1 or (len(replicas) == 1 and self.replica_id not in replicas)
+
     def views(self) -> FleetView:
         hot = self.prefix.take_changed()
         if hot:

@@ -5,6 +5,12 @@ heartbeat is due), the counts go over the aggregator's ZeroMQ ingest as worker r
 Ray call per share. The aggregator publishes them to every follower in its fleet deltas. An
 unreachable aggregator is retried through `actors.retry.reconnecting`; the counts are resent when
 it is back.
+
+A replica that no other replica shares with (the aggregator's deltas name the sharing replicas:
+`FleetFollower.replicas`) only announces itself, with empty counts, once per heartbeat: under load
+its counts change at every interval, and each share would otherwise cost the aggregator and every
+follower a delta that nobody reads. A second replica's first share makes the aggregator name it;
+from the delta that says so, both share at the fast cadence.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ async def share_in_flight(core: RouterCore, replica_id: str, resolve_aggregator:
         while True:
             await asyncio.sleep(settings.push_interval_s * 5)
             counts = core.in_flight_share()
+            if not core.has_peers():
+                counts = {}  # alone: an announcement (nobody reads our counts), changed only when peers leave
             now = time.monotonic()
             if counts != last or now - last_sent > settings.heartbeat_s:
                 if await link.ensure() and link.push_in_flight(replica_id, counts):

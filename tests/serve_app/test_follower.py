@@ -97,3 +97,38 @@ def test_a_worker_record_is_built_with_keywords_only():
         WorkerRecord("w", "u", 16, "live", True)  # noqa: the 11-positional form is gone
     rec = WorkerRecord(name="w", url="u", page_size=16, state="live", healthy=True, heartbeat_at=1.0)
     assert rec.metrics is None and rec.ranks == [] and rec.in_flight_by_replica == {}
+
+
+def test_the_follower_learns_which_router_replicas_share_counts_as_they_come_and_expire():
+    """The sharing replicas travel in the deltas (`FleetDelta.replicas`): an arrival is a delta even
+    when its counts are empty and no worker changed; an expiry too; a snapshot always carries them."""
+    clock = Clock()
+    s = Settings()
+    reg = FleetRegistry(s, clock=clock)
+    f = FleetFollower(_none)
+    reg.report(report("a"))
+    f.apply(reg.snapshot())
+    reg.take_delta()
+    assert f.replicas == frozenset()
+    assert reg.report_in_flight("r1", {})  # an announcement: no counts, still news
+    d = reg.take_delta()
+    assert d is not None and d.workers == [] and d.replicas == ["r1"]
+    f.apply(d)
+    assert f.replicas == {"r1"}
+    assert not reg.report_in_flight("r1", {})  # the same again: nothing to publish
+    reg.report_in_flight("r1", {"a": 2})
+    d = reg.take_delta()
+    assert d.replicas is None and [w.name for w in d.workers] == ["a"]  # unchanged membership is not resent
+    f.apply(d)
+    assert f.replicas == {"r1"}
+    reg.report_in_flight("r2", {"a": 1})
+    f.apply(reg.take_delta())
+    assert f.replicas == {"r1", "r2"}
+    fresh = FleetFollower(_none)
+    fresh.apply(reg.snapshot())
+    assert fresh.replicas == {"r1", "r2"}
+    clock.t += s.down_after_s * 2 + 0.1  # both stopped sharing: expired
+    reg.report(report("a", seq=2))
+    assert reg.tick()
+    f.apply(reg.take_delta())
+    assert f.replicas == frozenset()

@@ -272,3 +272,175 @@ async def test_a_stream_closed_early_closes_its_connection():
     finally:
         await client.aclose()
         await runner.cleanup()
+
+
+# --- holding reads while a batch waits (`chunks(hold_reads=True)`) ---------------------------------
+
+TOKENS = [f"data: {{\"token\": {i}, \"text\": \"t{i}\"}}\n\n".encode() for i in range(30)]
+
+
+def _token_worker(gap_s: float, events: list[bytes] = TOKENS, end: str = "eof"):
+    """A worker that writes one SSE event per token, `gap_s` apart (one write each), then ends the
+    body (`end="eof"`) or drops the connection without ending it (`end="drop"`)."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        for ev in events:
+            await resp.write(ev)
+            await asyncio.sleep(gap_s)
+        if end == "drop":
+            request.transport.close()
+            return resp
+        await resp.write_eof()
+        return resp
+
+    return handler
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """Counts the upstream connection's reads (each `data_received` is one loop wake-up + recv)."""
+    from serve_app import proxy
+
+    counter = {"n": 0}
+    original = proxy._Connection.data_received
+
+    def counting(self, data):
+        counter["n"] += 1
+        return original(self, data)
+
+    monkeypatch.setattr(proxy._Connection, "data_received", counting)
+    return counter
+
+
+async def _relay(url: str, batch_s: float, hold: bool, client: UpstreamClient) -> tuple[list[bytes], float]:
+    up = await client.open("w", "POST", url + "/v1/chat/completions", content=b"{}")
+    got = [c async for c in up.chunks(batch_s, hold_reads=hold)]
+    assert up.at_eof
+    await up.close()
+    return got, time.monotonic()
+
+
+async def test_holding_reads_takes_a_pieces_tokens_in_one_read_and_every_byte_arrives_in_order(reads):
+    runner, url = await _serve(_token_worker(0.004))
+    client = UpstreamClient(2.0, 10.0)
+    try:
+        got, _ = await _relay(url, 0.05, False, client)
+        reads_free, pieces_free = reads["n"], len(got)
+        assert b"".join(got) == b"".join(TOKENS)
+        reads["n"] = 0
+        got, _ = await _relay(url, 0.05, True, client)
+        reads_held, pieces_held = reads["n"], len(got)
+        assert b"".join(got) == b"".join(TOKENS)  # whole, in order, nothing lost or doubled
+        assert got[0] == TOKENS[0] and got[1] == TOKENS[1]  # role chunk and first token are never held
+    finally:
+        await client.aclose()
+        await runner.cleanup()
+    # 30 writes 4 ms apart over ~120+ ms: read as they come, about one read per token; held, the
+    # tokens of each 50 ms window arrive in one read
+    print(f"reads: {reads_free} free, {reads_held} held; pieces {pieces_free} / {pieces_held}")
+    assert reads_free >= 20, reads_free
+    assert reads_held <= 10, reads_held
+    assert pieces_held <= pieces_free
+
+
+async def test_a_held_stream_ends_within_one_interval_of_its_last_byte():
+    runner, url = await _serve(_token_worker(0.002, TOKENS[:6]))
+    client = UpstreamClient(2.0, 10.0)
+    try:
+        t0 = time.monotonic()
+        got, t_end = await _relay(url, 0.3, True, client)
+        assert b"".join(got) == b"".join(TOKENS[:6])
+        # the worker is done after ~12 ms; the end waits at most the 300 ms window (not unbounded)
+        assert t_end - t0 < 0.3 + 0.25
+    finally:
+        await client.aclose()
+        await runner.cleanup()
+
+
+async def test_a_connection_broken_while_held_is_an_upstream_error_when_the_interval_ends():
+    runner, url = await _serve(_token_worker(0.002, TOKENS[:5], end="drop"))
+    client = UpstreamClient(2.0, 10.0)
+    try:
+        up = await client.open("w", "POST", url + "/x", content=b"{}")
+        got = []
+        t0 = time.monotonic()
+        with pytest.raises(UPSTREAM_ERRORS):
+            async for chunk in up.chunks(0.2, hold_reads=True):
+                got.append(chunk)
+        assert time.monotonic() - t0 < 0.2 + 0.3  # seen when the window ended, not at the read timeout (10 s)
+        assert b"".join(got) == b"".join(TOKENS[:5])  # what came before the break is relayed whole
+        await up.close()
+    finally:
+        await client.aclose()
+        await runner.cleanup()
+
+
+async def test_a_client_gone_while_reads_are_held_closes_the_worker_connection():
+    closed = asyncio.Event()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            for ev in TOKENS * 20:
+                await resp.write(ev)
+                await asyncio.sleep(0.01)
+        except (ConnectionResetError, asyncio.CancelledError):
+            closed.set()
+            raise
+        await resp.write_eof()
+        return resp
+
+    runner, url = await _serve(handler)
+    client = UpstreamClient(2.0, 10.0)
+    try:
+        up = await client.open("w", "POST", url + "/x", content=b"{}")
+        pieces: list[bytes] = []
+
+        async def consume() -> None:
+            try:
+                async for chunk in up.chunks(0.5, hold_reads=True):
+                    pieces.append(chunk)
+            finally:
+                await up.close()
+
+        task = asyncio.create_task(consume())
+        while len(pieces) < 2:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.1)  # inside the 500 ms hold
+        task.cancel()  # what Serve does to the relay when its client disconnects
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(closed.wait(), 2.0)  # the worker saw its connection end: SGLang aborts
+    finally:
+        await client.aclose()
+        await runner.cleanup()
+
+
+async def test_held_streams_above_the_high_water_mark_arrive_whole_and_the_connection_is_reused():
+    """The two pauses (batch hold, 1 MiB high-water) do not fight: a stream writing more than the
+    buffer bound per window arrives whole, and its connection serves the next request."""
+    blob = [bytes([65 + i % 26]) * (256 << 10) + b"\n\n" for i in range(16)]  # 4 MiB in 16 writes
+    peers: list[tuple] = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        peers.append(request.transport.get_extra_info("peername"))
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        for ev in blob:
+            await resp.write(ev)
+        await resp.write_eof()
+        return resp
+
+    runner, url = await _serve(handler)
+    client = UpstreamClient(2.0, 10.0)
+    try:
+        for _ in range(2):
+            got, _ = await _relay(url, 0.02, True, client)
+            assert b"".join(got) == b"".join(blob)
+        assert len(peers) == 2 and peers[0] == peers[1]
+    finally:
+        await client.aclose()
+        await runner.cleanup()

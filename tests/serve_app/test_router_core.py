@@ -213,3 +213,14 @@ def test_the_in_flight_share_is_this_replicas_pending_counts():
     assert core.in_flight_share() == {ticket.worker: 1}
     ticket.finished()
     assert core.in_flight_share() == {}
+
+
+def test_a_replica_has_peers_only_when_the_aggregator_names_another_sharing_replica():
+    core, _ = make_core(1)  # replica "r0"
+    assert not core.has_peers()
+    core.follower.replicas = frozenset({"r0"})  # only itself shares
+    assert not core.has_peers()
+    core.follower.replicas = frozenset({"r0", "r1"})
+    assert core.has_peers()
+    core.follower.replicas = frozenset({"r1"})  # another one, before our own first share is named
+    assert core.has_peers()

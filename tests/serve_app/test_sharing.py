@@ -35,11 +35,17 @@ class FakeLink:
 
 
 class FakeCore:
-    def __init__(self) -> None:
+    def __init__(self, peers: bool = True) -> None:
         self.counts: dict[str, int] = {}
+        self.peers = peers
+        self.shares_taken = 0
 
     def in_flight_share(self) -> dict[str, int]:
+        self.shares_taken += 1
         return dict(self.counts)
+
+    def has_peers(self) -> bool:
+        return self.peers
 
 
 async def _until(pred, timeout_s: float = 3.0) -> None:
@@ -79,3 +85,42 @@ async def test_counts_are_pushed_on_change_and_heartbeat_and_after_a_failed_link
     except asyncio.CancelledError:
         pass
     assert link.closed
+
+
+async def test_a_replica_without_peers_only_announces_itself_per_heartbeat_and_shares_fast_once_one_comes(monkeypatch):
+    """Alone, a replica's changing counts are never pushed (nobody reads them): one empty share per
+    heartbeat keeps it known to the aggregator. When a peer is named, its counts go at once and at
+    every change; when the peers are gone, one empty share clears them."""
+    monkeypatch.setattr(sharing, "AggregatorLink", FakeLink)
+    FakeLink.instances.clear()
+    settings = Settings(push_interval_s=0.002, heartbeat_s=0.2, reconnect_backoff_s=0.01, reconnect_backoff_max_s=0.02)
+    core = FakeCore(peers=False)
+
+    async def resolve():
+        return None
+
+    task = asyncio.create_task(sharing.share_in_flight(core, "r1", resolve, settings))
+    try:
+        await _until(lambda: FakeLink.instances and FakeLink.instances[0].pushed)
+        link = FakeLink.instances[0]
+        t0 = asyncio.get_running_loop().time()
+        taken0 = core.shares_taken
+        while asyncio.get_running_loop().time() - t0 < 0.5:  # counts change at every 10 ms interval
+            core.counts = {"w1": core.shares_taken % 7 + 1}
+            await asyncio.sleep(0.003)
+        assert core.shares_taken - taken0 >= 20  # the loop ran at its fast cadence throughout
+        assert all(p == {} for p in link.pushed)  # never the counts
+        assert 2 <= len(link.pushed) <= 4  # the first announcement, then one per 0.2 s heartbeat
+        core.peers = True
+        core.counts = {"w1": 3}
+        await _until(lambda: link.pushed[-1] == {"w1": 3}, timeout_s=0.1)  # at the next interval
+        core.counts = {"w1": 4}
+        await _until(lambda: link.pushed[-1] == {"w1": 4}, timeout_s=0.1)
+        core.peers = False
+        await _until(lambda: link.pushed[-1] == {}, timeout_s=0.1)
+    finally:
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
