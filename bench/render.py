@@ -354,7 +354,8 @@ def _markdown(doc, agg, rates, targets, oh, goals, plots) -> str:
         L.append(f"- Streams through kvroute and the Serve-based targets are relayed batched "
                  f"(`stream_batching_interval_ms` = {cfg['stream_batching_ms']:g}, kvroute's default): the first two "
                  f"SSE events (role chunk, first token) at once, later tokens in batches at most that often, the end "
-                 f"at once. Their ITL is that of a batched stream (gaps of 0 within a batch); sglang-router and "
+                 f"{'with the next batch (`stream_batching_hold_reads`)' if cfg.get('stream_hold_reads') else 'at once'}. "
+                 f"Their ITL is that of a batched stream (gaps of 0 within a batch); sglang-router and "
                  f"`direct` relay every event as it comes.")
     if cfg.get("kv_events"):
         L.append("- The engines publish SGLang KV events and `kvroute-kv_aware-exact` runs kvroute's exact prefix mode. "
