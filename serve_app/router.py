@@ -117,6 +117,7 @@ class RouterCore:
         self._view_sink = SimpleNamespace(update=self._update_view)  # what `refresh_fleet` updates
         follower.on_update = self.on_fleet_update
         self._clock = clock
+        self._peer_counts_at = float("-inf")
         self._request_ids = itertools.count()
         # line-buffered: a diagnostic log must hold every decision up to the moment it is read
         self._dlog = open(config.decision_log, "a", buffering=1) if config.decision_log else None  # noqa: SIM115
@@ -128,6 +129,10 @@ class RouterCore:
         `follower.workers` left the fleet): fleet view, ledger, prefix index, other replicas' counts."""
         for name in changed:
             rec = self.follower.workers.get(name)
+            if rec is not None and rec.in_flight_by_replica:
+                by = rec.in_flight_by_replica
+                if len(by) > 1 or self.replica_id not in by:
+                    self._peer_counts_at = self._clock()  # another replica has requests in flight (`peers`)
             targets = None if rec is None else _targets_of(rec)
             old = self._targets.get(name)
             if self._index_models(name, tuple(rec.models) if rec is not None else None) or old != targets:
@@ -273,7 +278,7 @@ class RouterCore:
         if model is None or len(self._by_model) < 2 or not block_hashes:
             return block_hashes
         salt = hash(("kvroute-model", model))
-        return tuple(h ^ salt for h in block_hashes)
+        return tuple(map(salt.__xor__, block_hashes))  # (C loop: every block of every request)
 
     def refresh_remote(self) -> None:
         """Re-date the other replicas' counts we still see in the snapshot (the aggregator expires
@@ -286,11 +291,13 @@ class RouterCore:
         self.ledger.refresh_remote()
         return self.ledger.export()
 
-    def has_peers(self) -> bool:
-        """Whether another router replica shares its in-flight counts (the aggregator's deltas name
-        them): only then is this replica's share worth sending at the fast cadence."""
+    def peers(self, active_within_s: float) -> tuple[bool, bool]:
+        """(another router replica shares its in-flight counts — the aggregator's deltas name it —,
+        one showed requests in flight on some worker within the last `active_within_s`). A present
+        but idle peer needs this replica's counts only once it routes, and then it shows its own."""
         replicas = self.follower.replicas
-        return len(replicas) > 1 or (len(replicas) == 1 and self.replica_id not in replicas)
+        present = len(replicas) > 1 or (len(replicas) == 1 and self.replica_id not in replicas)
+        return present, present and self._clock() - self._peer_counts_at <= active_within_s
 
     def views(self) -> FleetView:
         hot = self.prefix.take_changed()

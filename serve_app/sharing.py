@@ -6,11 +6,14 @@ Ray call per share. The aggregator publishes them to every follower in its fleet
 unreachable aggregator is retried through `actors.retry.reconnecting`; the counts are resent when
 it is back.
 
-A replica that no other replica shares with (the aggregator's deltas name the sharing replicas:
-`FleetFollower.replicas`) only announces itself, with empty counts, once per heartbeat: under load
-its counts change at every interval, and each share would otherwise cost the aggregator and every
-follower a delta that nobody reads. A second replica's first share makes the aggregator name it;
-from the delta that says so, both share at the fast cadence.
+Sharing at the fast cadence is for replicas that route side by side. Without a peer (the
+aggregator's deltas name the sharing replicas: `FleetFollower.replicas`), a replica only announces
+itself, with empty counts, once per heartbeat: under load its counts change at every interval, and
+each share would otherwise cost the aggregator and every follower a delta that nobody reads. With
+peers that all have been idle for `down_after_s` (no counts of theirs in the fleet view), it sends
+its counts once per heartbeat — enough for them to see it is busy. Once a peer has requests in
+flight too (it saw ours, or it started routing), both share at every change. A second replica
+therefore turns fast sharing on within about one heartbeat of its first requests.
 """
 
 from __future__ import annotations
@@ -42,10 +45,11 @@ async def share_in_flight(core: RouterCore, replica_id: str, resolve_aggregator:
         while True:
             await asyncio.sleep(settings.push_interval_s * 5)
             counts = core.in_flight_share()
-            if not core.has_peers():
-                counts = {}  # alone: an announcement (nobody reads our counts), changed only when peers leave
+            present, active = core.peers(settings.down_after_s)
+            if not present:
+                counts = {}  # alone: an announcement (nobody reads our counts)
             now = time.monotonic()
-            if counts != last or now - last_sent > settings.heartbeat_s:
+            if (active and counts != last) or now - last_sent > settings.heartbeat_s:
                 if await link.ensure() and link.push_in_flight(replica_id, counts):
                     last, last_sent = counts, now
                     backoff.reset()

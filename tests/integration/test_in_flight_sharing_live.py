@@ -1,6 +1,7 @@
 """In-flight counts shared across router replicas through the live aggregator (ZeroMQ ingest,
 published deltas, real followers and share loops): a replica alone shares only its heartbeat
-announcement, a second one turns fast sharing on, and each then sees the other's counts."""
+announcement; beside an idle second one it shares its counts once per heartbeat (the second sees
+them); once both route, both share at every change and each sees the other's counts."""
 
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ async def test_a_lone_replica_only_announces_itself_and_a_second_turns_sharing_o
         a = start(a_id)
         assert await a.follower.wait_first(10)
         # replicas of earlier tests' routers expire 2 × down_after_s after their last share
-        await _until(lambda: not a.has_peers(), settings.down_after_s * 2 + 2,
+        await _until(lambda: not a.peers(settings.down_after_s)[0], settings.down_after_s * 2 + 2,
                      f"no other replica sharing (still named: {sorted(a.follower.replicas)})")
         churner = asyncio.create_task(churn(a))
         await _until(lambda: a_id in a.follower.replicas, 2, "the aggregator naming the first replica")
@@ -88,18 +89,28 @@ async def test_a_lone_replica_only_announces_itself_and_a_second_turns_sharing_o
         b = start(b_id)
         await _until(lambda: b_id in a.follower.replicas, settings.heartbeat_s * 2,
                      "the first replica learning of the second")
-        assert a.has_peers() and b.has_peers()
+        assert a.peers(settings.down_after_s) == (True, False)  # present, idle
 
-        def b_sees_a() -> bool:
-            rec = b.follower.workers.get(probe)
-            return rec is not None and rec.in_flight_by_replica.get(a_id, 0) > 0
+        def sees(core: RouterCore, rid: str) -> bool:
+            rec = core.follower.workers.get(probe)
+            return rec is not None and rec.in_flight_by_replica.get(rid, 0) > 0
 
-        await _until(b_sees_a, settings.heartbeat_s * 2, "the second replica seeing the first one's counts")
+        await _until(lambda: sees(b, a_id), settings.heartbeat_s * 3, "the idle replica seeing the busy one's counts")
+        n0 = await _shares(agg)
+        await asyncio.sleep(window)
+        beside_idle = await _shares(agg) - n0
+        # the busy one's counts once per heartbeat, the idle one's announcement once per heartbeat
+        assert beside_idle <= 2 * (window / settings.heartbeat_s + 2), beside_idle
+
+        churner_b = asyncio.create_task(churn(b))  # the second replica routes too
+        await _until(lambda: sees(a, b_id), settings.heartbeat_s * 3, "the first replica seeing the second's counts")
+        await _until(lambda: a.peers(settings.down_after_s)[1], settings.heartbeat_s * 2, "an active peer")
         n0 = await _shares(agg)
         await asyncio.sleep(1.0)
-        assert await _shares(agg) - n0 >= 0.5 / tick, "with a peer, changed counts are shared at every tick"
+        assert await _shares(agg) - n0 >= 1.0 / tick, "with an active peer, changed counts are shared at every tick"
         busy = False
         await churner
+        await churner_b
     finally:
         busy = False
         for _, follower, task in replicas:

@@ -215,12 +215,20 @@ def test_the_in_flight_share_is_this_replicas_pending_counts():
     assert core.in_flight_share() == {}
 
 
-def test_a_replica_has_peers_only_when_the_aggregator_names_another_sharing_replica():
-    core, _ = make_core(1)  # replica "r0"
-    assert not core.has_peers()
+def test_a_replica_has_peers_when_the_aggregator_names_another_and_they_are_active_while_they_route():
+    core, clock = make_core(2)  # replica "r0"
+    assert core.peers(2.0) == (False, False)
     core.follower.replicas = frozenset({"r0"})  # only itself shares
-    assert not core.has_peers()
-    core.follower.replicas = frozenset({"r0", "r1"})
-    assert core.has_peers()
+    assert core.peers(2.0) == (False, False)
     core.follower.replicas = frozenset({"r1"})  # another one, before our own first share is named
-    assert core.has_peers()
+    assert core.peers(2.0) == (True, False)  # present, but no counts of it seen: idle
+    core.follower.replicas = frozenset({"r0", "r1"})
+    report(core, clock, "w0", in_flight_by_replica={"r0": 2})  # only our own counts: still idle
+    assert core.peers(2.0) == (True, False)
+    report(core, clock, "w1", in_flight_by_replica={"r1": 1})  # r1 has requests in flight
+    assert core.peers(2.0) == (True, True)
+    clock.t += 2.5
+    assert core.peers(2.0) == (True, False)  # not seen lately
+    core.follower.replicas = frozenset({"r0"})
+    report(core, clock, "w1", in_flight_by_replica={"r1": 1})
+    assert core.peers(2.0) == (False, False)  # gone from the aggregator: not a peer, whatever its stale counts

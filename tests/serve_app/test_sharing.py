@@ -35,17 +35,20 @@ class FakeLink:
 
 
 class FakeCore:
-    def __init__(self, peers: bool = True) -> None:
+    """RouterCore's side of sharing: its counts, and whether peers are present / active."""
+
+    def __init__(self, present: bool = True, active: bool = True) -> None:
         self.counts: dict[str, int] = {}
-        self.peers = peers
+        self.present = present
+        self.active = active
         self.shares_taken = 0
 
     def in_flight_share(self) -> dict[str, int]:
         self.shares_taken += 1
         return dict(self.counts)
 
-    def has_peers(self) -> bool:
-        return self.peers
+    def peers(self, active_within_s: float) -> tuple[bool, bool]:
+        return self.present, self.present and self.active
 
 
 async def _until(pred, timeout_s: float = 3.0) -> None:
@@ -87,14 +90,24 @@ async def test_counts_are_pushed_on_change_and_heartbeat_and_after_a_failed_link
     assert link.closed
 
 
-async def test_a_replica_without_peers_only_announces_itself_per_heartbeat_and_shares_fast_once_one_comes(monkeypatch):
+async def _churn(core: FakeCore, seconds: float) -> None:
+    """The replica's counts change every 3 ms (several times per share interval) for `seconds`."""
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    while loop.time() - t0 < seconds:
+        core.counts = {"w1": core.shares_taken % 7 + 1}
+        await asyncio.sleep(0.003)
+
+
+async def test_sharing_is_fast_only_with_an_active_peer(monkeypatch):
     """Alone, a replica's changing counts are never pushed (nobody reads them): one empty share per
-    heartbeat keeps it known to the aggregator. When a peer is named, its counts go at once and at
-    every change; when the peers are gone, one empty share clears them."""
+    heartbeat keeps it known to the aggregator. With peers that are idle, its counts go once per
+    heartbeat (so they see it is busy). With an active peer, at every change; when the peers are
+    gone, an empty share clears its counts at the next heartbeat."""
     monkeypatch.setattr(sharing, "AggregatorLink", FakeLink)
     FakeLink.instances.clear()
     settings = Settings(push_interval_s=0.002, heartbeat_s=0.2, reconnect_backoff_s=0.01, reconnect_backoff_max_s=0.02)
-    core = FakeCore(peers=False)
+    core = FakeCore(present=False)
 
     async def resolve():
         return None
@@ -103,21 +116,24 @@ async def test_a_replica_without_peers_only_announces_itself_per_heartbeat_and_s
     try:
         await _until(lambda: FakeLink.instances and FakeLink.instances[0].pushed)
         link = FakeLink.instances[0]
-        t0 = asyncio.get_running_loop().time()
         taken0 = core.shares_taken
-        while asyncio.get_running_loop().time() - t0 < 0.5:  # counts change at every 10 ms interval
-            core.counts = {"w1": core.shares_taken % 7 + 1}
-            await asyncio.sleep(0.003)
+        await _churn(core, 0.5)
         assert core.shares_taken - taken0 >= 20  # the loop ran at its fast cadence throughout
-        assert all(p == {} for p in link.pushed)  # never the counts
+        assert all(p == {} for p in link.pushed)  # alone: never the counts
         assert 2 <= len(link.pushed) <= 4  # the first announcement, then one per 0.2 s heartbeat
-        core.peers = True
-        core.counts = {"w1": 3}
-        await _until(lambda: link.pushed[-1] == {"w1": 3}, timeout_s=0.1)  # at the next interval
-        core.counts = {"w1": 4}
-        await _until(lambda: link.pushed[-1] == {"w1": 4}, timeout_s=0.1)
-        core.peers = False
-        await _until(lambda: link.pushed[-1] == {}, timeout_s=0.1)
+
+        core.present, core.active = True, False  # a peer, idle
+        n = len(link.pushed)
+        await _churn(core, 0.5)
+        idle = link.pushed[n:]
+        assert 2 <= len(idle) <= 4 and all(p for p in idle)  # the counts, once per heartbeat
+
+        core.active = True
+        n = len(link.pushed)
+        await _churn(core, 0.3)
+        assert len(link.pushed) - n >= 10  # every change, at the 10 ms interval
+        core.present = False
+        await _until(lambda: link.pushed[-1] == {}, timeout_s=0.5)
     finally:
         task.cancel()
         try:
