@@ -117,12 +117,19 @@ class PrefixIndexConfig(BaseModel):
     fresh_window_s: float = Field(
         _default_of(PrefixIndex.__init__, "fresh_window_s"), ge=0,
         description="a block first sent to a worker within this window also counts as hot (its second "
-        "request may be on its way)",
+        "request may be on its way); at most hot_window_s",
     )
     max_blocks_per_source: int = Field(
         _default_of(KvEventIndex.__init__, "max_blocks_per_source"), ge=1,
         description="exact index (KV events): blocks kept per worker and DP rank at most",
     )
+
+    @model_validator(mode="after")
+    def _fresh_within_hot(self) -> "PrefixIndexConfig":
+        if self.fresh_window_s > self.hot_window_s:
+            raise ValueError(f"fresh_window_s ({self.fresh_window_s:g}) must not exceed hot_window_s "
+                             f"({self.hot_window_s:g}): a block sent once cannot stay hot longer than a reused one")
+        return self
 
     def approximate_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of `PrefixIndex` (add `clock`)."""

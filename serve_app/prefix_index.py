@@ -96,6 +96,39 @@ def _tiers(n: int, holders: Callable[[int], Holders | None]) -> list[tuple[int, 
     return out  # type: ignore[return-value]
 
 
+class _Fresh:
+    """A worker's blocks first sent there within `fresh_window_s`, as a count per sending (its time
+    → how many of its blocks are still fresh), not a set of blocks: which blocks they are follows
+    from the entries — a block is fresh for a worker iff the worker holds it, it is not hot there,
+    and the sending its holder time names is still counted here (`PrefixIndex.record`). Saves a
+    dict insertion per new block, and its removal when the window ends."""
+
+    __slots__ = ("batches", "n")
+
+    def __init__(self) -> None:
+        self.batches: OrderedDict[float, int] = OrderedDict()  # sending time → fresh blocks of it, oldest first
+        self.n = 0
+
+    def drop(self, sent_at: float) -> bool:
+        """One block sent at `sent_at` is no longer fresh (reused, or forgotten); False if that
+        sending's window already ended (the block had stopped counting then)."""
+        c = self.batches.get(sent_at)
+        if not c:
+            return False
+        self.batches[sent_at] = c - 1
+        self.n -= 1
+        return True
+
+    def cool(self, cutoff: float) -> bool:
+        """Let go of the sendings before `cutoff`; True if that dropped blocks."""
+        b = self.batches
+        gone = 0
+        while b and next(iter(b)) < cutoff:
+            gone += b.popitem(last=False)[1]
+        self.n -= gone
+        return gone > 0
+
+
 class PrefixIndex:
     """Approximate prefix index of one router replica: block hash → {worker: last use}.
 
@@ -121,8 +154,10 @@ class PrefixIndex:
         fresh_window_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if ttl_s <= 0 or max_entries < 1 or hot_window_s <= 0 or fresh_window_s < 0:
-            raise ValueError("PrefixIndex needs ttl_s > 0, max_entries ≥ 1, hot_window_s > 0, fresh_window_s ≥ 0")
+        if ttl_s <= 0 or max_entries < 1 or hot_window_s <= 0 or not 0 <= fresh_window_s <= hot_window_s:
+            # (fresh ≤ hot: a block that cooled out of hot can then never be mistaken for a fresh one, `_Fresh`)
+            raise ValueError("PrefixIndex needs ttl_s > 0, max_entries ≥ 1, hot_window_s > 0, "
+                             "0 ≤ fresh_window_s ≤ hot_window_s")
         self.ttl_s = ttl_s
         self.hot_window_s = hot_window_s
         self.fresh_window_s = fresh_window_s
@@ -133,8 +168,8 @@ class PrefixIndex:
         self._entries: OrderedDict[int, Holders] = OrderedDict()  # LRU first
         # worker → {hash: last reuse} of blocks it was sent twice or more, oldest reuse first
         self._hot: dict[str, OrderedDict[int, float]] = {}
-        # worker → {hash: first sent} of blocks sent there once, within fresh_window_s
-        self._fresh: dict[str, OrderedDict[int, float]] = {}
+        # worker → its blocks sent there once, within fresh_window_s (counted per sending: `_Fresh`)
+        self._fresh: dict[str, _Fresh] = {}
         self._changed: set[str] = set()
 
     def __len__(self) -> int:
@@ -144,7 +179,7 @@ class PrefixIndex:
         """Blocks reused on `worker` lately or first sent there just now (see the class docstring)."""
         hot = self._hot.get(worker)
         fresh = self._fresh.get(worker)
-        return (len(hot) if hot else 0) + (len(fresh) if fresh else 0)
+        return (len(hot) if hot else 0) + (fresh.n if fresh is not None else 0)
 
     def reused_blocks(self, worker: str) -> int:
         """The part of `hot_blocks` that was reused lately (sent there twice or more), not just sent
@@ -160,15 +195,17 @@ class PrefixIndex:
             self._hot_swept_at = now
             for w, hot in self._hot.items():
                 self._cool(w, hot, now, self.hot_window_s)
+            cutoff = now - self.fresh_window_s
             for w, fresh in self._fresh.items():
-                self._cool(w, fresh, now, self.fresh_window_s)
+                if fresh.cool(cutoff):
+                    self._changed.add(w)
         c, self._changed = self._changed, set()
         return c
 
     def _cool(self, worker: str, hot: OrderedDict[int, float], now: float, window: float) -> None:
         cutoff = now - window
         # entries are in time order: count the expired lead, then drop it — both loops in C, no
-        # iterator per entry (every block first sent to a worker passes here once, 2 s later)
+        # iterator per entry
         n = len(list(takewhile(cutoff.__gt__, hot.values())))
         if n:
             deque(map(hot.popitem, repeat(False, n)), maxlen=0)
@@ -182,35 +219,40 @@ class PrefixIndex:
         hot = self._hot.get(worker)
         if hot is None:
             hot = self._hot[worker] = OrderedDict()
-            self._fresh[worker] = OrderedDict()
+            self._fresh[worker] = _Fresh()
         fresh = self._fresh[worker]
-        n_hot, n_fresh = len(hot), len(fresh)
+        n_hot, n_fresh = len(hot), fresh.n
         hot_move = hot.move_to_end
-        track_fresh = self.fresh_window_s > 0
+        added = 0  # blocks first sent to `worker` now: fresh from now on (one count for all of them)
         for h in reversed(block_hashes):  # root last: it becomes the most recently used
             e = entries.get(h)
             if e is None:
                 e = entries[h] = Holders()
                 e[worker] = now
-                if track_fresh:
-                    fresh[h] = now
+                added += 1
             else:
                 if worker in e:
                     if h in hot:
                         hot[h] = now
                         hot_move(h)
-                    else:
+                    else:  # sent again: hot now, and no longer fresh if it still was
+                        sent_at = e[worker]  # (not hot: its holder time is still its first sending's)
                         hot[h] = now
-                        fresh.pop(h, None)
+                        if sent_at == now and added:
+                            added -= 1  # first sent in this very prompt (a block repeated)
+                        else:
+                            fresh.drop(sent_at)
                     if len(e) > 1:
                         del e[worker]  # re-inserted last: holders stay in order of last use
                 else:
-                    if track_fresh:
-                        fresh[h] = now
+                    added += 1
                     e.membership_changed()
                 e[worker] = now
                 move(h)
-        if len(hot) != n_hot or len(fresh) != n_fresh:
+        if added and self.fresh_window_s > 0:
+            fresh.batches[now] = fresh.batches.get(now, 0) + added
+            fresh.n += added
+        if len(hot) != n_hot or fresh.n != n_fresh:
             self._changed.add(worker)
         self._evict(now)
 
@@ -253,7 +295,7 @@ class PrefixIndex:
         for h in dead:
             del self._entries[h]
         hot, fresh = self._hot.pop(worker, None), self._fresh.pop(worker, None)
-        if hot or fresh:
+        if hot or (fresh is not None and fresh.n):
             self._changed.add(worker)
 
     def expire(self, now: float | None = None) -> None:
@@ -273,13 +315,14 @@ class PrefixIndex:
             self._forget(h, e)
 
     def _forget(self, h: int, holders: Holders) -> None:
-        for w in holders:
+        for w, t in holders.items():
             hot = self._hot.get(w)
             if hot and hot.pop(h, None) is not None:
                 self._changed.add(w)
-            fresh = self._fresh.get(w)
-            if fresh and fresh.pop(h, None) is not None:
-                self._changed.add(w)
+            else:
+                fresh = self._fresh.get(w)
+                if fresh is not None and fresh.drop(t):  # (not hot: `t` is its first sending's time)
+                    self._changed.add(w)
 
 
 class KvEventIndex:

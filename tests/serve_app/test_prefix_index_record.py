@@ -1,7 +1,8 @@
-"""PrefixIndex's upkeep rewritten for speed (`_cool` dropping expired hot/fresh entries in C loops)
-leaves the index exactly as the entry-by-entry code it replaced: same entries in the same LRU
-order, same holders in the same use order, same hot and fresh sets, same answers — on random
-histories, against a copy of the old code. (A bulk insert of a prompt's unknown tail was tried
+"""PrefixIndex's upkeep rewritten for speed — fresh blocks counted per sending instead of kept one
+by one (`_Fresh`), `_cool` dropping expired hot entries in C loops — leaves the index exactly as
+the block-by-block code it replaced: same entries in the same LRU order, same holders in the same
+use order, same hot blocks, same hot and fresh counts, same changed workers, same answers — on
+random histories, against a copy of the old code. (A bulk insert of a prompt's unknown tail was tried
 and measured slower: `OrderedDict.update` costs more per key than a Python loop of setitems.)"""
 
 from __future__ import annotations
@@ -24,8 +25,24 @@ class Clock:
 
 
 class WalkingIndex(PrefixIndex):
-    """The index as it was before: `_cool` one entry at a time (and `record` as it is, kept here
-    so that a later rewrite of it is checked against the same reference)."""
+    """The index as it was: each worker's fresh blocks a set of them (hash → first sent), added and
+    removed block by block; `_cool` one entry at a time."""
+
+    def hot_blocks(self, worker):
+        hot = self._hot.get(worker)
+        fresh = self._fresh.get(worker)
+        return (len(hot) if hot else 0) + (len(fresh) if fresh else 0)
+
+    def take_changed(self, now=None):
+        now = self._clock() if now is None else now
+        if now - self._hot_swept_at >= 0.1:
+            self._hot_swept_at = now
+            for w, hot in self._hot.items():
+                self._cool(w, hot, now, self.hot_window_s)
+            for w, fresh in self._fresh.items():
+                self._cool(w, fresh, now, self.fresh_window_s)
+        c, self._changed = self._changed, set()
+        return c
 
     def _cool(self, worker, hot, now, window):
         cutoff = now - window
@@ -74,11 +91,36 @@ class WalkingIndex(PrefixIndex):
             self._changed.add(worker)
         self._evict(now)
 
+    def remove_worker(self, worker):
+        dead = []
+        for h, e in self._entries.items():
+            if e.pop(worker, None) is not None:
+                e.membership_changed()
+                if not e:
+                    dead.append(h)
+        for h in dead:
+            del self._entries[h]
+        hot, fresh = self._hot.pop(worker, None), self._fresh.pop(worker, None)
+        if hot or fresh:
+            self._changed.add(worker)
+
+    def _forget(self, h, holders):
+        for w in holders:
+            hot = self._hot.get(w)
+            if hot and hot.pop(h, None) is not None:
+                self._changed.add(w)
+            fresh = self._fresh.get(w)
+            if fresh and fresh.pop(h, None) is not None:
+                self._changed.add(w)
+
 
 def _state(ix: PrefixIndex) -> tuple:
+    """Everything the index answers from: entries (LRU order, holders in use order), hot blocks per
+    worker (reuse order), and each worker's hot and fresh counts."""
+    workers = sorted(ix._hot)
     return ([(h, list(e.items())) for h, e in ix._entries.items()],
             {w: list(d.items()) for w, d in ix._hot.items()},
-            {w: list(d.items()) for w, d in ix._fresh.items()})
+            [(w, ix.hot_blocks(w), ix.reused_blocks(w)) for w in workers])
 
 
 def _prompt(rng: random.Random, families: int, odd: bool) -> list[int]:
@@ -101,8 +143,9 @@ def _prompt(rng: random.Random, families: int, odd: bool) -> list[int]:
 @pytest.mark.parametrize("seed", range(12))
 def test_upkeep_leaves_the_index_exactly_as_the_entry_by_entry_code(seed):
     rng = random.Random(seed)
+    hot_window = rng.choice([0.3, 10.0])
     kw = dict(ttl_s=rng.choice([0.5, 3.0, 120.0]), max_entries=rng.choice([40, 400, 100_000]),
-              hot_window_s=rng.choice([0.3, 10.0]), fresh_window_s=rng.choice([0.0, 0.2, 2.0]))
+              hot_window_s=hot_window, fresh_window_s=rng.choice([0.0, 0.2, min(2.0, hot_window), hot_window]))
     clock = Clock()
     new, old = PrefixIndex(clock=clock, **kw), WalkingIndex(clock=clock, **kw)
     workers = [f"w{i}" for i in range(rng.choice([1, 3, 6]))]
@@ -143,3 +186,17 @@ def test_cooling_drops_exactly_the_entries_older_than_the_window_and_names_the_w
         assert _state(new) == _state(old)
         assert [new.hot_blocks(w) for w in "ab"] == [old.hot_blocks(w) for w in "ab"]
     assert new.hot_blocks("a") == new.hot_blocks("b") == 0
+
+
+def test_a_fresh_window_longer_than_the_hot_window_is_refused():
+    """(A block sent once cannot count as hot longer than a reused one; the per-sending count of
+    fresh blocks relies on it.)"""
+    from pydantic import ValidationError
+
+    from serve_app.config import PrefixIndexConfig
+
+    with pytest.raises(ValueError, match="fresh_window_s"):
+        PrefixIndex(hot_window_s=1.0, fresh_window_s=2.0)
+    with pytest.raises(ValidationError, match="fresh_window_s .* must not exceed hot_window_s"):
+        PrefixIndexConfig(hot_window_s=1.0, fresh_window_s=2.0)
+    assert PrefixIndexConfig(hot_window_s=2.0, fresh_window_s=2.0).fresh_window_s == 2.0
