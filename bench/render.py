@@ -354,7 +354,7 @@ def _markdown(doc, agg, rates, targets, oh, goals, plots) -> str:
         L.append(f"- Streams through kvroute and the Serve-based targets are relayed batched "
                  f"(`stream_batching_interval_ms` = {cfg['stream_batching_ms']:g}, kvroute's default): the first two "
                  f"SSE events (role chunk, first token) at once, later tokens in batches at most that often, the end "
-                 f"{'with the next batch (`stream_batching_hold_reads`)' if cfg.get('stream_hold_reads') else 'at once'}. "
+                 f"at once{' (kvroute: in a reply longer than one interval, with the next batch — `stream_batching_hold_reads`)' if cfg.get('stream_hold_reads') else ''}. "
                  f"Their ITL is that of a batched stream (gaps of 0 within a batch); sglang-router and "
                  f"`direct` relay every event as it comes.")
     if cfg.get("kv_events"):

@@ -503,10 +503,12 @@ def main(argv: list[str] | None = None) -> int:
 
     enabled = tuple(ns.targets.split(",")) if ns.targets else (tuple(suite["targets"]) if suite.get("targets") else None)
     suite["kv_events"] = bool(ns.kv_events)
-    from bench.targets import STREAM_BATCHING_MS, STREAM_HOLD_READS
+    from bench.targets import STREAM_BATCHING_MS
 
     suite["stream_batching_ms"] = STREAM_BATCHING_MS  # kvroute's default, and the Serve floors relay alike
-    suite["stream_hold_reads"] = STREAM_HOLD_READS
+    from serve_app.config import RouterConfig
+
+    suite["stream_hold_reads"] = RouterConfig.model_fields["stream_batching_hold_reads"].default
     if ns.kv_events:
         overrides.append("kv-events")
     knobs = {k: float(v) for k, _, v in (kv.partition("=") for kv in ns.kv)}

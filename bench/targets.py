@@ -69,10 +69,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PREFIX_ROUTER_CLASS = (
     "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router.PrefixCacheAffinityRouter"
 )
-# the Serve floors relay streams like kvroute's router does by default (same proxy code, same batching, reads held alike)
+# the Serve floors relay streams like kvroute's router does by default (same proxy code, same batching;
+# they read as tokens arrive: kvroute's `stream_batching_hold_reads` is kvroute's own CPU/latency trade)
 STREAM_BATCHING_MS = RouterConfig.model_fields["stream_batching_interval_ms"].default
 STREAM_BATCHING_S = STREAM_BATCHING_MS / 1e3
-STREAM_HOLD_READS = RouterConfig.model_fields["stream_batching_hold_reads"].default
 KVROUTE_POLICIES = ("round_robin", "power_of_two", "least_loaded", "kv_aware")
 PREFIX_NOTES = (
     "Ray Serve LLM PrefixCacheAffinityRouter (ray 2.60, default kwargs: imbalanced_threshold=inf, "
@@ -123,7 +123,7 @@ class PassThrough:
 
         async def relay() -> AsyncIterator[bytes]:
             try:
-                async for chunk in up.chunks(self.batching_s, hold_reads=STREAM_HOLD_READS):
+                async for chunk in up.chunks(self.batching_s):
                     yield chunk
             finally:
                 await up.close()
@@ -172,7 +172,7 @@ class SimEngine:
             return
         yield (self.name, up.status_code, up.headers())
         try:
-            async for chunk in up.chunks(self.batching_s, hold_reads=STREAM_HOLD_READS):
+            async for chunk in up.chunks(self.batching_s):
                 yield chunk
         finally:
             await up.close()

@@ -189,11 +189,12 @@ class RouterConfig(BaseModel):
     )
     stream_batching_hold_reads: bool = Field(
         True,
-        description="while a batched piece waits, the worker's connection is not read: its tokens wait in the "
-        "kernel's socket buffer and are read in one go when the interval ends (one loop wake-up, read and parser "
-        "pass per piece instead of per token). The cost: a stream's end, too, is seen only when its interval "
-        "ends, so the last piece waits like the others (≤ stream_batching_interval_ms, on average half of it). "
-        "false: read as tokens arrive, the end leaves the moment it arrives",
+        description="from a stream's second batching interval on, while a batched piece waits the worker's "
+        "connection is not read: its tokens wait in the kernel's socket buffer and are read in one go when the "
+        "interval ends (one loop wake-up, read and parser pass per piece instead of per token). The cost: the end "
+        "of a stream longer than that is seen only when its interval ends, so the last piece waits like the "
+        "others (≤ stream_batching_interval_ms, on average half of it); a reply that ends within its first "
+        "interval is never held. false: read as tokens arrive, the end leaves the moment it arrives",
     )
     gc_thresholds: tuple[int, int, int] | None = Field(
         (20_000, 20, 20),

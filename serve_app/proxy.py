@@ -261,14 +261,16 @@ class Upstream:
         Serve's ingress) as a few pieces instead of one per token, each of which costs CPU.
 
         Without `hold_reads` the connection is read meanwhile and the end of the body leaves the
-        moment it arrives (`at_eof` tells the caller that a piece was the last). With it, the
-        connection is not read while a piece waits (`_Connection.hold`): the tokens of one piece
-        are read in one go instead of one wake-up each, but the end of the body (or a break) is
-        then seen only when the interval ends — the last piece waits like the others, at most
-        `batch_interval_s`.
+        moment it arrives (`at_eof` tells the caller that a piece was the last). With it, from the
+        second batch window on the connection is not read while a piece waits
+        (`_Connection.hold`): the tokens of one piece are read in one go instead of one wake-up
+        each, but the end of the body (or a break) is then seen only when the window ends — the
+        last piece waits like the others, at most `batch_interval_s`. The first window is read as
+        it comes, so a short reply (one that ends within it) is never held.
         """
         conn = self._conn
         events_out = 0
+        windows = 0
         while True:
             if conn.body:
                 data = conn.take()
@@ -281,7 +283,8 @@ class Upstream:
                         continue
                 if conn.error is not None:
                     continue
-                if hold_reads:
+                windows += 1
+                if hold_reads and windows > 1:
                     conn.hold()
                     try:
                         await asyncio.sleep(batch_interval_s)

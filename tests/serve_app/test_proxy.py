@@ -322,45 +322,58 @@ async def _relay(url: str, batch_s: float, hold: bool, client: UpstreamClient) -
     return got, time.monotonic()
 
 
+LONG = [f"data: {{\"token\": {i}, \"text\": \"t{i}\"}}\n\n".encode() for i in range(80)]
+
+
 async def test_holding_reads_takes_a_pieces_tokens_in_one_read_and_every_byte_arrives_in_order(reads):
-    runner, url = await _serve(_token_worker(0.004))
+    runner, url = await _serve(_token_worker(0.004, LONG))
     client = UpstreamClient(2.0, 10.0)
     try:
         got, _ = await _relay(url, 0.05, False, client)
         reads_free, pieces_free = reads["n"], len(got)
-        assert b"".join(got) == b"".join(TOKENS)
+        assert b"".join(got) == b"".join(LONG)
         reads["n"] = 0
         got, _ = await _relay(url, 0.05, True, client)
         reads_held, pieces_held = reads["n"], len(got)
-        assert b"".join(got) == b"".join(TOKENS)  # whole, in order, nothing lost or doubled
-        assert got[0] == TOKENS[0] and got[1] == TOKENS[1]  # role chunk and first token are never held
+        assert b"".join(got) == b"".join(LONG)  # whole, in order, nothing lost or doubled
+        assert got[0] == LONG[0] and got[1] == LONG[1]  # role chunk and first token are never held
     finally:
         await client.aclose()
         await runner.cleanup()
-    # 30 writes 4 ms apart over ~120+ ms: read as they come, about one read per token; held, the
-    # tokens of each 50 ms window arrive in one read
+    # 80 writes 4 ms apart over ~320+ ms: read as they come, about one read per token; held (from
+    # the second 50 ms window on), the tokens of each window arrive in one read
     print(f"reads: {reads_free} free, {reads_held} held; pieces {pieces_free} / {pieces_held}")
-    assert reads_free >= 20, reads_free
-    assert reads_held <= 10, reads_held
-    assert pieces_held <= pieces_free
+    assert reads_free >= 50, reads_free
+    assert reads_held <= 30, reads_held
+    assert pieces_held <= pieces_free + 1
 
 
-async def test_a_held_stream_ends_within_one_interval_of_its_last_byte():
-    runner, url = await _serve(_token_worker(0.002, TOKENS[:6]))
+async def test_a_held_stream_ends_within_one_interval_of_its_last_byte_and_a_short_one_at_once():
+    runner, url = await _serve(_token_worker(0.1, TOKENS[:6]))  # ~0.6 s: past its first 0.3 s window
     client = UpstreamClient(2.0, 10.0)
     try:
         t0 = time.monotonic()
         got, t_end = await _relay(url, 0.3, True, client)
         assert b"".join(got) == b"".join(TOKENS[:6])
-        # the worker is done after ~12 ms; the end waits at most the 300 ms window (not unbounded)
-        assert t_end - t0 < 0.3 + 0.25
+        # the worker is done after ~0.6 s; the end waits at most one 300 ms window (not unbounded)
+        assert 0.5 < t_end - t0 < 0.6 + 0.3 + 0.25
+    finally:
+        await client.aclose()
+        await runner.cleanup()
+    runner, url = await _serve(_token_worker(0.002, TOKENS[:6]))  # a short reply: done within its first window
+    client = UpstreamClient(2.0, 10.0)
+    try:
+        t0 = time.monotonic()
+        got, t_end = await _relay(url, 5.0, True, client)
+        assert b"".join(got) == b"".join(TOKENS[:6])
+        assert t_end - t0 < 2.5  # not held for the 5 s window: the first one is read as it comes
     finally:
         await client.aclose()
         await runner.cleanup()
 
 
 async def test_a_connection_broken_while_held_is_an_upstream_error_when_the_interval_ends():
-    runner, url = await _serve(_token_worker(0.002, TOKENS[:5], end="drop"))
+    runner, url = await _serve(_token_worker(0.12, TOKENS[:5], end="drop"))  # dropped in its second 0.2 s window
     client = UpstreamClient(2.0, 10.0)
     try:
         up = await client.open("w", "POST", url + "/x", content=b"{}")
@@ -369,7 +382,7 @@ async def test_a_connection_broken_while_held_is_an_upstream_error_when_the_inte
         with pytest.raises(UPSTREAM_ERRORS):
             async for chunk in up.chunks(0.2, hold_reads=True):
                 got.append(chunk)
-        assert time.monotonic() - t0 < 0.2 + 0.3  # seen when the window ended, not at the read timeout (10 s)
+        assert time.monotonic() - t0 < 0.6 + 0.2 + 0.3  # seen when the window ended, not at the read timeout (10 s)
         assert b"".join(got) == b"".join(TOKENS[:5])  # what came before the break is relayed whole
         await up.close()
     finally:
@@ -407,7 +420,7 @@ async def test_a_client_gone_while_reads_are_held_closes_the_worker_connection()
                 await up.close()
 
         task = asyncio.create_task(consume())
-        while len(pieces) < 2:
+        while len(pieces) < 3:  # the two opening events, then the first window's piece: holding from now on
             await asyncio.sleep(0.005)
         await asyncio.sleep(0.1)  # inside the 500 ms hold
         task.cancel()  # what Serve does to the relay when its client disconnects
