@@ -224,6 +224,7 @@ def marginal_delay(w: _W, now: float, net_s: float, ids: list[int], max_tokens: 
 
 # Where a request's time to first token goes (simulated seconds; they sum to its TTFT):
 PARTS = (
+    "held",  # waiting in the router for a worker to free up (serve_app.admission)
     "net",  # router → engine and first token → client
     "in_flight_decode",  # arrived during a decode step (batches run to completion)
     "in_flight_prefill",  # arrived during another prefill batch
@@ -400,7 +401,7 @@ def run(workload: str, rate: float, duration_s: float, policy: str, *, seed: int
                     if rec.metrics is not None and rec.state != state_of(n):
                         update(n, rec.metrics, rec.metrics_at, state_of(n))
                 facts = core.facts(body)
-                if held_since is None and core.should_hold(facts):  # serve_app.admission (streamed)
+                if held_since is None and core.should_hold(facts, policy):  # serve_app.admission (streamed)
                     key = next(seq)
 
                     def wake(key: int = key, t0: float = now, p: Any = p) -> bool:
@@ -418,6 +419,8 @@ def run(workload: str, rate: float, duration_s: float, policy: str, *, seed: int
             measured = s.start_s >= warmup_s
             info[rid] = {"sent": now if held_since is None else held_since, "session": s, "turn": turn, "worker": name, "measured": measured,
                          "out": [], "n_prompt": len(ids), "parts": {"net": 2 * k.net_s}}
+            if held_since is not None:
+                info[rid]["parts"]["held"] = now - held_since
             res.per_worker[name] += 1
             if measured:
                 res.first_send = min(res.first_send, now)

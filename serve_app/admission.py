@@ -9,7 +9,8 @@ router relays the streams, so it sees them at once) routes it to the worker that
 with a view that is newer. One shared FIFO queue instead of a queue per worker: the classic
 central-queue effect, for exactly the requests whose queueing decides the TTFT tail.
 
-Only big prompts are held (`min_uncached_blocks` the chosen worker would still have to prefill): a
+Only kv_aware's requests are held (round_robin and the others stay what their names say), and only
+big prompts (`min_uncached_blocks` the chosen worker would still have to prefill): a
 prompt mostly cached where it goes costs little to add to that worker's next batch, and holding it
 would make a conversation's next turn wait for nothing. Only streamed requests count as prefilling
 (a non-streamed reply's first token is not seen before its end), and only this replica's own. A
@@ -34,7 +35,8 @@ class AdmissionConfig:
     """When a big prompt waits in the router for a worker to free up (`router.admission`)."""
 
     enabled: bool = True
-    """Hold big streamed prompts while every worker is prefilling one of this replica's streams."""
+    """Hold big streamed prompts routed by kv_aware while every worker is prefilling one of this
+    replica's streams (the other policies route as they are named)."""
     max_prefilling: int = 1
     """A worker counts as busy from this many streamed requests of this replica before their first token."""
     min_uncached_blocks: int = 64

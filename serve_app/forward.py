@@ -75,7 +75,7 @@ class Forwarder:
         failures: list[str] = []
         retry_after: str | None = None
         m = self.metrics
-        if stream and self.core.should_hold(facts, self.breakers.blocked(), model):  # serve_app.admission
+        if stream and self.core.should_hold(facts, policy, self.breakers.blocked(), model):  # serve_app.admission
             m.admission_held_seconds.observe(await self.core.admission.hold())
         for attempt in range(self.config.max_attempts):
             t_decide = time.perf_counter()

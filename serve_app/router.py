@@ -439,14 +439,14 @@ class RouterCore:
         if request.block_hashes:
             self.prefix.record(worker, self._prefix_keys(request.block_hashes, model))
 
-    def should_hold(self, request: RouteRequest, exclude: set[str] | frozenset[str] = frozenset(),
-                    model: str | None = None) -> bool:
+    def should_hold(self, request: RouteRequest, policy_name: str | None = None,
+                    exclude: set[str] | frozenset[str] = frozenset(), model: str | None = None) -> bool:
         """Whether a streamed request should wait for a worker to free up before it is routed
         (`serve_app.admission`): every routable worker of its model is prefilling one of this
         replica's streams, and even the worker holding most of its prompt would still prefill a big
-        part of it."""
+        part of it. Only for kv_aware: the other policies route as they are named."""
         adm = self.admission
-        if not adm.config.enabled:
+        if not adm.config.enabled or (policy_name or self.default_policy) != "kv_aware":
             return False
         if not adm.waiting and not adm.prefilling:
             return False
