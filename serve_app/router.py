@@ -14,9 +14,9 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 from actors.models import KV_METRICS_FIELDS
+from serve_app.admission import Admission
 from serve_app.config import RouterConfig
 from serve_app.follower import FleetFollower, WorkerRecord
-from serve_app.admission import Admission
 from serve_app.ledger import Ledger, refresh_fleet
 from serve_app.policies import POLICIES, Decision, RouteRequest, WorkerView, get_policy
 from serve_app.policies.base import NoWorkerAvailable, target_name
