@@ -14,7 +14,8 @@ aggregator can, and the two want different windows:
   shorter host window costs only the host's own node its wake-ups and the aggregator a few more frames
   per drain, not more wake-ups — while a change waits for two stages, its host's window and then the
   aggregator's publication. Hosts then coalesce over `fleet_window_s`: a change waits ≤
-  `fleet_window_s` + `publish_interval_s` (30 ms at the defaults) in the plane.
+  `fleet_window_s` + `publish_interval_s` (20 ms at the defaults) in the plane. The price is the
+  hosts' own wake-ups on their nodes (measured in bench/results/scale.md).
 
 The rate is measured over `PERIOD_S`; the fleet is large from `BUSY_FRAMES / publish_interval_s`
 changed reports per second and small again below half of it (no flapping at the edge).

@@ -519,6 +519,8 @@ def main() -> int:
                          "the heartbeats); 0: one frame per worker report, as WorkerActors send")
     ap.add_argument("--coalesce-s", type=float, default=None,
                     help="Settings.coalesce_s for the run (default: the setting's default, 0.05)")
+    ap.add_argument("--fleet-window-s", type=float, default=None,
+                    help="Settings.fleet_window_s for the run (default: the setting's default, 0.01)")
     ap.add_argument("--health-busy-s", type=float, default=None,
                     help="Settings.health_busy_interval_s for the run (default: the setting's default, 5)")
     ap.add_argument("--real-actors", type=int, default=0, metavar="K",
@@ -550,6 +552,7 @@ def main() -> int:
         order = {"both": ["node", "worker"], "all": ["node", "host", "worker"]}.get(ns.hosting, [ns.hosting])
         for hosting in order:
             plane_cfg = {**({"coalesce_s": ns.coalesce_s} if ns.coalesce_s else {}),
+                         **({"fleet_window_s": ns.fleet_window_s} if ns.fleet_window_s else {}),
                          **({"health_busy_interval_s": ns.health_busy_s} if ns.health_busy_s else {})}
             r = real_actors(k, ns.seconds, ns.frame_hz, ns.profile, hosting, plane_cfg or None)
             m = r["processes"]  # worker-side processes: k worker actors, one metrics host, or none
@@ -572,7 +575,8 @@ def main() -> int:
         for n in ns.workers:
             for hz in ns.hz:
                 run_cell(n, hz, ns.seconds, ns.emulators, sorted(ns.followers), ns.change_every, ns.per_host,
-                         {"coalesce_s": ns.coalesce_s} if ns.coalesce_s else None)
+                         {**({"coalesce_s": ns.coalesce_s} if ns.coalesce_s else {}),
+                          **({"fleet_window_s": ns.fleet_window_s} if ns.fleet_window_s else {})} or None)
     finally:
         ray.shutdown()
     print(f"\nload average at end {os.getloadavg()[0]:.2f}")
