@@ -29,7 +29,7 @@ from actors.health import HealthProbe
 from actors.host_pipe import HostPipe
 from actors.ingest import MetricsBook
 from actors.models import NAMESPACE, Settings
-from actors.protocol import HostStats, RankMetrics, WorkerActorStats, WorkerReady, WorkerReport
+from actors.protocol import HostStats, WorkerActorStats, WorkerReady, WorkerReport
 
 logger = logging.getLogger("kvroute.host")
 
@@ -91,7 +91,7 @@ class Hosted:
 
     def report(self) -> WorkerReport:
         page = self.spec.page_size
-        ranks = [RankMetrics(**d) for d in self.book.ranks_report(page).values()]
+        ranks = self.book.rank_metrics(page)
         return WorkerReport(name=self.name, url=self.spec.url or "", page_size=page, incarnation=self.incarnation,
                             healthy=self.health.healthy, health_detail=self.health.detail, ranks=ranks,
                             models=self.health.models, role=self.spec.role, bootstrap_port=self.spec.bootstrap_port,
