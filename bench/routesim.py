@@ -224,6 +224,7 @@ def marginal_delay(w: _W, now: float, net_s: float, ids: list[int], max_tokens: 
 
 # Where a request's time to first token goes (simulated seconds; they sum to its TTFT):
 PARTS = (
+    "held",  # waiting in the router for a worker to free up (serve_app.admission)
     "net",  # router → engine and first token → client
     "in_flight_decode",  # arrived during a decode step (batches run to completion)
     "in_flight_prefill",  # arrived during another prefill batch
@@ -368,8 +369,18 @@ def run(workload: str, rate: float, duration_s: float, policy: str, *, seed: int
     def state_of(n: str) -> str:
         return "live" if now - ws[n].last_report_at <= k.idle_after_s else "idle"
 
+    adm = core.admission
+    holds: dict[int, Callable[[], None]] = {}  # held (arrival event id) → what takes it out of the queue
     while events:
         now, _, kind, p = heapq.heappop(events)
+        held_since = None
+        if kind in ("held", "held_expired"):  # its turn came (a worker freed up), or max_wait_s passed
+            key, held_since, p = p
+            leave = holds.pop(key, None)
+            if leave is None:
+                continue  # already dispatched by the other of the two events
+            leave()
+            kind = "arrive"
         if kind == "arrive":
             s, turn = p
             msgs = build_messages(s, turn, replies[s.sid])
@@ -390,13 +401,26 @@ def run(workload: str, rate: float, duration_s: float, policy: str, *, seed: int
                     if rec.metrics is not None and rec.state != state_of(n):
                         update(n, rec.metrics, rec.metrics_at, state_of(n))
                 facts = core.facts(body)
+                if held_since is None and core.should_hold(facts, policy):  # serve_app.admission (streamed)
+                    key = next(seq)
+
+                    def wake(key: int = key, t0: float = now, p: Any = p) -> bool:
+                        at(now, "held", (key, t0, p))  # `now`: when it is woken
+                        return True
+                    holds[key] = adm.enqueue(wake)
+                    at(now + adm.config.max_wait_s, "held_expired", (key, now, p))
+                    continue
                 d, facts = core.decide(facts)
                 name = d.worker
                 core.on_routed(rid, facts, name)
+                if adm.config.enabled:
+                    adm.dispatched(name)
             ids = tokenizer.apply_chat_template(msgs)
             measured = s.start_s >= warmup_s
-            info[rid] = {"sent": now, "session": s, "turn": turn, "worker": name, "measured": measured,
+            info[rid] = {"sent": now if held_since is None else held_since, "session": s, "turn": turn, "worker": name, "measured": measured,
                          "out": [], "n_prompt": len(ids), "parts": {"net": 2 * k.net_s}}
+            if held_since is not None:
+                info[rid]["parts"]["held"] = now - held_since
             res.per_worker[name] += 1
             if measured:
                 res.first_send = min(res.first_send, now)
@@ -424,6 +448,8 @@ def run(workload: str, rate: float, duration_s: float, policy: str, *, seed: int
             kick(w)
         elif kind == "first":
             core.ledger.on_first_token(p)
+            if pol is None and policy not in ORACLES and adm.config.enabled:
+                adm.prefilled(info[p]["worker"])
         elif kind == "done":
             rid = p
             r = info.pop(rid)

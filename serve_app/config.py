@@ -9,6 +9,7 @@ The tree (`KvrouteConfig`, unknown keys are errors naming the key and its path):
       ledger: LedgerConfig         the in-flight ledger               serve_app.ledger
       prefix_index: PrefixIndexConfig   approximate and exact prefix indexes   here
       breaker: BreakerConfig       per-worker circuit breakers        serve_app.breaker
+      admission: AdmissionConfig   late binding of big prompts        serve_app.admission
       request_facts: RequestFactsConfig  how prompts become blocks    here
 
 It lives here, not in `actors/`, because it embeds the router's sections (which import the
@@ -41,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from actors.fleet import FleetError, FleetSpec, WorkerSpec, load_fleet, parse_fleet, read_fleet_file
 from actors.models import NAMESPACE, Settings
+from serve_app.admission import AdmissionConfig
 from serve_app.breaker import BreakerConfig
 from serve_app.ledger import LedgerConfig
 from serve_app.policies import DEFAULT_POLICY
@@ -205,6 +207,9 @@ class RouterConfig(BaseModel):
     ledger: LedgerConfig = Field(default_factory=LedgerConfig, description="the in-flight ledger")
     prefix_index: PrefixIndexConfig = Field(default_factory=PrefixIndexConfig, description="the prefix indexes")
     breaker: BreakerConfig = Field(default_factory=BreakerConfig, description="per-worker circuit breakers")
+    admission: AdmissionConfig = Field(
+        default_factory=AdmissionConfig,
+        description="late binding: big streamed prompts wait in the router while every worker is prefilling")
     request_facts: RequestFactsConfig = Field(
         default_factory=RequestFactsConfig, description="how prompts become blocks"
     )

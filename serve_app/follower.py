@@ -85,6 +85,7 @@ class FleetFollower:
         backoff_s: float = 0.1,
         backoff_max_s: float = 0.5,
         silence_s: float = 1.5,
+        resync_grace_s: float = 3.0,
         on_update: Callable[[list[str]], None] | None = None,
     ) -> None:
         self._resolve = resolve
@@ -92,7 +93,11 @@ class FleetFollower:
         self.backoff_s = backoff_s
         self.backoff_max_s = backoff_max_s
         self.silence_s = silence_s
+        # a restarted aggregator is rebuilt from the workers' next heartbeats (≤ heartbeat_s): a
+        # worker its first snapshot lacks is kept this long, then dropped if it never came back
+        self.resync_grace_s = resync_grace_s
         self.on_update = on_update
+        self._carried: dict[str, float] = {}  # worker → when it is dropped unless a delta names it
         self.workers: dict[str, WorkerRecord] = {}
         self.epoch: str | None = None
         self.version = 0
@@ -132,6 +137,19 @@ class FleetFollower:
         wall = time.time()
         fresh: dict[str, WorkerRecord] = {} if delta.full or delta.epoch != self.epoch else self.workers
         changed: list[str] = []
+        if fresh is not self.workers:
+            if delta.epoch != self.epoch and self.epoch is not None:  # a restarted aggregator: carry the
+                # workers over until they re-register or their grace ends (a partial first snapshot
+                # must not empty the router)
+                deadline = now + self.resync_grace_s
+                for name, rec in self.workers.items():
+                    fresh[name] = rec
+                    self._carried.setdefault(name, deadline)
+            else:  # the same aggregator's full state: who is not in it left the fleet
+                present = {w.name for w in delta.workers}
+                changed.extend(n for n in self.workers if n not in present)
+                self._carried.clear()
+        carried = self._carried
         for w in delta.workers:
             age = w.metrics_age_s
             ranks = [r.values() for r in w.ranks]
@@ -145,6 +163,8 @@ class FleetFollower:
                 rank_at=_rank_times(w.ranks, None if age is None else now - age),
             )
             changed.append(w.name)
+            if carried:
+                carried.pop(w.name, None)
         for u in delta.metrics:  # ranks alone changed: update the record we hold in place
             rec = fresh.get(u.name)
             if rec is None:
@@ -158,13 +178,24 @@ class FleetFollower:
             changed.append(u.name)
         if delta.names is not None:
             names = set(delta.names)
-            for gone in [n for n in fresh if n not in names]:
+            for gone in [n for n in fresh if n not in names and n not in carried]:
                 del fresh[gone]
                 changed.append(gone)
         self.workers = fresh
+        if carried:
+            changed += self.expire_carried(now)
         self.epoch = delta.epoch
         self.version = delta.version
         return changed
+
+    def expire_carried(self, now: float | None = None) -> list[str]:
+        """Drop the workers carried over a restart whose grace ended without a delta naming them."""
+        now = time.monotonic() if now is None else now
+        gone = [n for n, deadline in self._carried.items() if now >= deadline]
+        for n in gone:
+            del self._carried[n]
+            self.workers.pop(n, None)
+        return gone
 
     # --- the stream ---------------------------------------------------------------------------
 
@@ -233,6 +264,8 @@ class FleetFollower:
                 watch.pause()  # what follows waits in the socket until the snapshot is applied
                 resync.set()
                 more = False
+            if self._carried:
+                changed += self.expire_carried()
             self._changed(changed)
             return more
 
@@ -252,6 +285,8 @@ class FleetFollower:
                 try:
                     await asyncio.wait_for(resync.wait(), self.silence_s)
                 except asyncio.TimeoutError:
+                    if self._carried:
+                        self._changed(self.expire_carried())
                     if self.last_ok_at is None or time.monotonic() - self.last_ok_at >= self.silence_s:
                         raise TimeoutError(f"no delta or keep-alive from the aggregator in {self.silence_s} s") from None
         finally:

@@ -75,10 +75,13 @@ class Forwarder:
         failures: list[str] = []
         retry_after: str | None = None
         m = self.metrics
+        if stream and self.core.should_hold(facts, policy, self.breakers.blocked(), model):  # serve_app.admission
+            m.admission_held_seconds.observe(await self.core.admission.hold())
         for attempt in range(self.config.max_attempts):
             t_decide = time.perf_counter()
             try:
-                ticket = self.core.route(facts, policy, exclude=tried | self.breakers.blocked(), model=model)
+                ticket = self.core.route(facts, policy, exclude=tried | self.breakers.blocked(), model=model,
+                                         streamed=stream)
             except NoWorkerAvailable as exc:
                 if not failures:
                     m.requests.labels(policy, "", "no_worker").inc()

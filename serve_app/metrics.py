@@ -108,6 +108,9 @@ class RouterMetrics:
                                       ["worker"], buckets=_LATENCY_BUCKETS, registry=r)
         self.duration_seconds = Histogram("kvroute_upstream_duration_seconds", "Dispatch to end of response",
                                           ["worker"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.admission_held_seconds = Histogram(
+            "kvroute_admission_held_seconds", "Time a big streamed prompt waited in the router for a worker to "
+            "free up (router.admission; only held requests are observed)", buckets=_LATENCY_BUCKETS, registry=r)
         self.retries = Counter("kvroute_retries", "Attempts retried on another worker, by failed worker",
                                ["worker"], registry=r)
         self.breaker_opened = Counter("kvroute_breaker_opened", "Times a worker's breaker opened", ["worker"],

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 from actors.models import KV_METRICS_FIELDS
+from serve_app.admission import Admission
 from serve_app.config import RouterConfig
 from serve_app.follower import FleetFollower, WorkerRecord
 from serve_app.ledger import Ledger, refresh_fleet
@@ -89,6 +90,7 @@ class RouterCore:
         self.rng = random.Random(config.seed)
         self.ledger = Ledger(config.ledger, replica_id=replica_id, block_tokens=config.block_size, clock=clock)
         self.prefix = PrefixIndex(**config.prefix_index.approximate_kwargs(), clock=clock)
+        self.admission = Admission(config.admission, clock=clock)
         self.exact = KvEventIndex(config.block_size, max_blocks_per_source=config.prefix_index.max_blocks_per_source,
                                   holder_of=self._holder_of)
         self.kv_follower: KvFollower | None = kv_follower(self.exact) if kv_follower is not None else None
@@ -144,6 +146,9 @@ class RouterCore:
             for gone in old or ():  # left the fleet, or its ranks changed
                 if targets is None or gone not in targets:
                     self._drop_target(gone)
+                    self.admission.forget(gone)
+            if targets is not None and self.admission.waiting:  # new targets: held requests may go there
+                self.admission.release(len(targets) - len(set(targets) & set(old or ())))
             if rec is None:
                 self._targets.pop(name, None)
                 continue
@@ -369,12 +374,7 @@ class RouterCore:
         policy = self.policy(policy_name) if model is None and role is None \
             else self._group_policy(policy_name, model, role)
         if request.block_hashes:
-            overlap = self.prefix.overlap(self._prefix_keys(request.block_hashes, model))
-            synced = self.kv_follower.synced if self.kv_follower is not None else ()
-            if synced:  # exact mode: what the engine reports it holds beats what we sent it
-                exact = self.exact.overlap(request.block_hashes)
-                overlap = overlap.override({t: exact.get(t, 0) for w in synced for t in self.targets(w)})
-            request = request.with_overlap(overlap)
+            request = request.with_overlap(self._overlap(request.block_hashes, model))
         fleet = self.views()
         if model is not None or role is not None:  # only the model's (role's) workers: the policy sees just them
             serving, fleet = self._model_group(model, role)
@@ -407,6 +407,15 @@ class RouterCore:
                                [v for v in fleet if (v.worker or v.name) not in exclude] if exclude else fleet)
         return decision, request
 
+    def _overlap(self, block_hashes: tuple[int, ...], model: str | None) -> Any:
+        """Per target, the leading blocks of this prompt it is believed to hold."""
+        overlap = self.prefix.overlap(self._prefix_keys(block_hashes, model))
+        synced = self.kv_follower.synced if self.kv_follower is not None else ()
+        if synced:  # exact mode: what the engine reports it holds beats what we sent it
+            exact = self.exact.overlap(block_hashes)
+            overlap = overlap.override({t: exact.get(t, 0) for w in synced for t in self.targets(w)})
+        return overlap
+
     def _log_decision(self, request: RouteRequest, decision: Decision, workers: Any) -> None:
         now = self._clock()
         recs = self.follower.workers
@@ -430,9 +439,29 @@ class RouterCore:
         if request.block_hashes:
             self.prefix.record(worker, self._prefix_keys(request.block_hashes, model))
 
+    def should_hold(self, request: RouteRequest, policy_name: str | None = None,
+                    exclude: set[str] | frozenset[str] = frozenset(), model: str | None = None) -> bool:
+        """Whether a streamed request should wait for a worker to free up before it is routed
+        (`serve_app.admission`): every routable worker of its model is prefilling one of this
+        replica's streams, and even the worker holding most of its prompt would still prefill a big
+        part of it. Only for kv_aware: the other policies route as they are named."""
+        adm = self.admission
+        if not adm.config.enabled or (policy_name or self.default_policy) != "kv_aware":
+            return False
+        if not adm.waiting and not adm.prefilling:
+            return False
+        self.views()
+        _, fleet = self._model_group(model)
+        if not adm.saturated((v.name, v.state != "down" and (v.worker or v.name) not in exclude) for v in fleet):
+            return False
+        routable = {v.name for v in fleet if v.state != "down"}
+        held = max((n for t, n in self._overlap(request.block_hashes, model).items() if t in routable), default=0) \
+            if request.block_hashes else 0
+        return adm.big(request.prompt_blocks - held)  # even where most of it is cached, much is left
+
     def route(
         self, request: RouteRequest, policy_name: str | None = None, exclude: set[str] | frozenset[str] = frozenset(),
-        model: str | None = None, role: str | None = None,
+        model: str | None = None, role: str | None = None, *, streamed: bool = False,
     ) -> "RequestTicket":
         """Decide (`decide`) and book the request on the chosen worker (`on_routed`). The ticket
         carries the decision; call its `first_token()` when the first response byte arrives, then
@@ -440,7 +469,11 @@ class RouterCore:
         failed worker in `exclude`). Raises NoWorkerAvailable, UnknownPolicy."""
         decision, request = self.decide(request, policy_name, exclude, model, role)
         request_id = f"{self.replica_id}-{next(self._request_ids)}"
-        self.on_routed(request_id, request, decision.target or decision.worker, model)
+        target = decision.target or decision.worker
+        self.on_routed(request_id, request, target, model)
+        if streamed and self.admission.config.enabled:
+            self.admission.dispatched(target)
+            return RequestTicket(decision, request, request_id, self.ledger, self.admission)
         return RequestTicket(decision, request, request_id, self.ledger)
 
     # --- public views -------------------------------------------------------------------------
@@ -503,13 +536,15 @@ class RequestTicket:
     charge used), and its remaining moments. `first_token`, then one of `finished` / `failed`;
     calls after the end (or twice) are ignored, so ending from a `finally` block is safe."""
 
-    __slots__ = ("decision", "request", "request_id", "_ledger")
+    __slots__ = ("decision", "request", "request_id", "_ledger", "_admission")
 
-    def __init__(self, decision: Decision, request: RouteRequest, request_id: str, ledger: Ledger) -> None:
+    def __init__(self, decision: Decision, request: RouteRequest, request_id: str, ledger: Ledger,
+                 admission: Admission | None = None) -> None:
         self.decision = decision
         self.request = request
         self.request_id = request_id
         self._ledger = ledger
+        self._admission = admission  # a streamed request counted as prefilling there until its first token
 
     @property
     def worker(self) -> str:
@@ -522,14 +557,23 @@ class RequestTicket:
     def first_token(self) -> None:
         """The first response byte arrived: its prefill is done (its KV blocks stay counted)."""
         self._ledger.on_first_token(self.request_id)
+        self._prefilled()
 
     def finished(self) -> None:
         """The response ended after reaching the worker (completed, cancelled or errored)."""
         self._ledger.on_finished(self.request_id)
+        self._prefilled()
 
     def failed(self) -> None:
         """The request never ran to completion on the worker (connect error, reset before the end)."""
         self._ledger.on_failed(self.request_id)
+        self._prefilled()
+
+    def _prefilled(self) -> None:
+        adm = self._admission
+        if adm is not None:
+            self._admission = None
+            adm.prefilled(self.decision.target or self.decision.worker)
 
     def __repr__(self) -> str:
         return f"RequestTicket({self.request_id!r}, worker={self.decision.worker!r})"

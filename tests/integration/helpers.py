@@ -70,6 +70,17 @@ def wait_for(predicate: Callable[[], object], timeout_s: float, interval_s: floa
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}" + (f" (last error: {last_exc})" if last_exc else ""))
 
 
+def reregistered(view: dict, names, epoch: str, since_wall: float) -> bool:
+    """Whether a router's `/workers` view (`view`, its JSON) is of aggregator `epoch` and holds every
+    worker in `names` as applied after `since_wall` (wall clock): re-registered with a restarted
+    aggregator. A router carries the workers a restarted aggregator's first snapshot lacks for a
+    grace (`resync_grace_s`), so their presence alone does not show they came back."""
+    if view["epoch"] != epoch:
+        return False
+    at = {w["name"]: w["updated_at"] for w in view["workers"] if w["state"] != "down"}
+    return all(at.get(n, 0.0) >= since_wall for n in names)
+
+
 class BrokenWorker:
     """A worker whose /health is fine but which answers every POST with `status` (counts them)."""
 

@@ -136,3 +136,36 @@ def test_streams_pass_through_and_metrics_count_them(env):
                  "kvroute_snapshot_age_seconds", "kvroute_worker_kv_usage_ratio"):
         assert name in text, name
     assert 'outcome="ok"' in text
+
+
+def _held_count(c) -> float:
+    for line in c.get("/metrics").text.splitlines():
+        if line.startswith("kvroute_admission_held_seconds_count"):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_burst_of_big_streamed_prompts_waits_in_the_router_for_workers_to_free_up(env):
+    """router.admission: once every routable worker prefills one of this replica's streams, big cold
+    prompts wait in the router and go out as first tokens arrive — every one answered in full."""
+    c = env["client"]
+    # the broken worker must be out of the way (breaker open for 30 s), or it would look free
+    for i in range(12):
+        if 'kvroute_breaker_state{worker="broken"} 2.0' in c.get("/metrics").text:
+            break
+        c.post("/v1/chat/completions", json=chat(300 + i), headers={"x-kvroute-policy": "round_robin"})
+    assert 'kvroute_breaker_state{worker="broken"} 2.0' in c.get("/metrics").text
+    before = _held_count(c)
+
+    def stream(i: int) -> tuple[int, str, str]:
+        body = {**chat(i, f"a long document number {i}, to be summarised carefully. " * 120, max_tokens=8),
+                "stream": True}
+        with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            return r.status_code, "".join(r.iter_text()), r.headers.get("x-kvroute-worker", "")
+
+    with cf.ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(stream, range(200, 212)))
+    assert [code for code, _, _ in results] == [200] * 12
+    assert all(text.rstrip().endswith("data: [DONE]") for _, text, _ in results)
+    assert {w for _, _, w in results} <= {"s0", "s1", "s2"}
+    assert _held_count(c) > before  # some of the burst waited for a first token

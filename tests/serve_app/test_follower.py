@@ -53,14 +53,45 @@ def test_a_removal_reaches_the_follower_through_the_name_list():
     assert list(f.workers) == ["b"]
 
 
-def test_a_full_snapshot_of_a_new_epoch_replaces_everything():
+def test_a_full_snapshot_of_a_new_epoch_replaces_everything_once_the_grace_ends():
     old, new = FleetRegistry(Settings(), clock=Clock()), FleetRegistry(Settings(), clock=Clock())
-    f = FleetFollower(_none)
+    f = FleetFollower(_none, resync_grace_s=3.0)
     old.report(report("a"))
-    f.apply(old.snapshot())
+    f.apply(old.snapshot(), received_at=10.0)
     new.report(report("b"))
-    f.apply(new.snapshot())
-    assert list(f.workers) == ["b"] and f.epoch == new.epoch
+    f.apply(new.snapshot(), received_at=10.0)
+    assert f.epoch == new.epoch
+    assert sorted(f.workers) == ["a", "b"]  # a restarted aggregator's first snapshot may be partial
+    assert f.expire_carried(12.9) == [] and f.expire_carried(13.0) == ["a"]
+    assert list(f.workers) == ["b"]
+
+
+def test_a_snapshot_names_the_workers_it_no_longer_holds_as_changed():
+    """A worker removed while the follower was cut off (missed delta, aggregator restart) is absent
+    from the snapshot that resyncs it: the router must hear of it, or it keeps routing there. After
+    a restart only once the grace for re-registering has passed; a worker that comes back in it stays."""
+    old, new = FleetRegistry(Settings(), clock=Clock()), FleetRegistry(Settings(), clock=Clock())
+    f = FleetFollower(_none, resync_grace_s=3.0)
+    old.report(report("a"))
+    old.report(report("gone"))
+    old.report(report("late"))
+    f.apply(old.snapshot(), received_at=10.0)
+    new.report(report("a"))
+    assert f.apply(new.snapshot(), received_at=10.0) == ["a"]
+    assert sorted(f.workers) == ["a", "gone", "late"]
+    new.take_delta()
+    new.report(report("late"))  # re-registers with the new aggregator within the grace
+    assert f.apply(new.take_delta(), received_at=11.0) == ["late"]
+    assert f.expire_carried(12.9) == [] and f.expire_carried(13.5) == ["gone"]  # (checked per frame/keep-alive)
+    assert sorted(f.workers) == ["a", "late"]
+    same = FleetRegistry(Settings(), clock=Clock())  # same epoch, full snapshot after a missed delta
+    same.report(report("a"))
+    same.report(report("b"))
+    f2 = FleetFollower(_none)
+    f2.apply(same.snapshot())
+    same.remove("b")
+    assert sorted(f2.apply(same.snapshot())) == ["a", "b"]
+    assert list(f2.workers) == ["a"]
 
 
 def test_the_managed_process_and_kv_event_subscription_reach_the_record_by_name():
@@ -97,3 +128,19 @@ def test_a_worker_record_is_built_with_keywords_only():
         WorkerRecord("w", "u", 16, "live", True)  # noqa: the 11-positional form is gone
     rec = WorkerRecord(name="w", url="u", page_size=16, state="live", healthy=True, heartbeat_at=1.0)
     assert rec.metrics is None and rec.ranks == [] and rec.in_flight_by_replica == {}
+
+
+def test_a_worker_missing_from_a_resync_snapshot_is_no_longer_routed_to():
+    from serve_app.config import RouterConfig
+    from serve_app.router import RouterCore
+
+    reg = FleetRegistry(Settings(), clock=Clock())
+    core = RouterCore(RouterConfig(), FleetFollower(_none), "r0")
+    for n in ("a", "b"):
+        reg.report(report(n))
+    core.on_fleet_update(core.follower.apply(reg.snapshot()))
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert {core.decide(core.facts(body), "round_robin")[0].worker for _ in range(4)} == {"a", "b"}
+    reg.remove("b")
+    core.on_fleet_update(core.follower.apply(reg.snapshot()))  # the delta naming it was missed (same epoch)
+    assert {core.decide(core.facts(body), "round_robin")[0].worker for _ in range(4)} == {"a"}
