@@ -528,6 +528,8 @@ class RouterCore:
             "replica": self.replica_id,
             "default_policy": self.default_policy,
             "models": self.served_models(),
+            "admission": {"waiting": self.admission.waiting, "held": self.admission.held,
+                          "timed_out": self.admission.timed_out},
         }
 
 

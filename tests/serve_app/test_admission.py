@@ -126,6 +126,7 @@ def test_a_worker_that_leaves_is_forgotten_and_a_new_one_releases_a_held_request
         assert core.should_hold(core.facts(chat("Something else at length. " * 800, "?")))
         held = asyncio.create_task(core.admission.hold())
         await asyncio.sleep(0.01)
+        assert core.healthz()["admission"] == {"waiting": 1, "held": 1, "timed_out": 0}
         from tests.serve_app.test_router_core import report
 
         report(core, clock, "w1")  # a new worker: the held request may go there
