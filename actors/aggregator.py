@@ -40,6 +40,7 @@ import zmq
 import zmq.asyncio
 
 from actors.fleet import WorkerSpec
+from actors.fleet_window import FleetWindow
 from actors.hosting import HostingCalls, LocalLink, NodeHosting, remember, remembered
 from actors.models import NAMESPACE, Settings
 from actors.protocol import (
@@ -141,6 +142,8 @@ class Aggregator(HostingCalls):
         self.published_bytes = 0
         self._last_pub = 0.0
         self._flush: asyncio.TimerHandle | None = None
+        self._window = FleetWindow(self.settings, time.monotonic())
+        self._window_changed = asyncio.Event()  # set (and replaced) when the fleet-wide window changes
         loop = asyncio.get_running_loop()
         self._task = loop.create_task(self._loop())
         self._host_own_node()
@@ -150,7 +153,8 @@ class Aggregator(HostingCalls):
         """Host this node's workers in-process; after a restart, the ones remembered (see the module
         docstring for a restart on another node)."""
         node = ray.get_runtime_context().get_node_id()
-        self._hosting = NodeHosting(AGGREGATOR_NAME, node, self.settings, self._ctx, LocalLink(self._local_frame),
+        self._local_link = LocalLink(self._local_frame)
+        self._hosting = NodeHosting(AGGREGATOR_NAME, node, self.settings, self._ctx, self._local_link,
                                     deregister=self.remove, remember=lambda specs: remember(_HOSTED_KEY, node, specs))
         was_on, specs = remembered(_HOSTED_KEY)
         if specs and was_on not in (None, node):
@@ -189,9 +193,31 @@ class Aggregator(HostingCalls):
         as `publish_interval_s` allows — the host's window was the coalescing, so no second wait."""
         self.host_frames += 1
         self.reports += len(reports)
+        self._observe_window(time.monotonic())
         if self._registry.host_frame(host, incarnation, workers, reports, local=True):
             self._pending = True
             self._publish_soon()
+
+    # --- the fleet-wide window (actors.fleet_window) ---------------------------------------------
+
+    def _observe_window(self, now: float) -> None:
+        if self._window.observe(self.reports, now):
+            w = self._window.window_s
+            logger.info("fleet %s (%.0f reports/s): metrics hosts coalesce over %.3f s", "large" if self._window.large
+                        else "small", self._window.rate, w)
+            self._local_link.window_s = w
+            self._window_changed.set()
+            self._window_changed = asyncio.Event()
+
+    async def host_window(self, known: float | None = None, wait_s: float = 30.0) -> float:
+        """The coalescing window metrics hosts use now (`actors.fleet_window`). A long-poll: answers at
+        once if it differs from `known`, else when it changes or after `wait_s`."""
+        if known == self._window.window_s:
+            try:
+                await asyncio.wait_for(self._window_changed.wait(), timeout=min(max(wait_s, 0.0), 300.0))
+            except asyncio.TimeoutError:
+                pass
+        return self._window.window_s
 
     def _publish_soon(self) -> None:
         if self._flush is not None:
@@ -250,7 +276,8 @@ class Aggregator(HostingCalls):
                                version=self._registry.version, reports=self.reports, in_flight_shares=self.shares,
                                refused=dict(self.refused), published=self.published,
                                published_bytes=self.published_bytes, endpoints=dict(self._bound),
-                               hosts=self._registry.hosts(), host_frames=self.host_frames)
+                               hosts=self._registry.hosts(), host_frames=self.host_frames,
+                               host_window_s=self._window.window_s)
 
     # --- hot path (ZeroMQ) --------------------------------------------------------------------
 
@@ -271,6 +298,7 @@ class Aggregator(HostingCalls):
                 drained = self._drain(raw, reg, token)
                 busy = self._pending  # these frames changed something (not heartbeats alone)
                 now = time.monotonic()
+                self._observe_window(now)
                 wait = publish_wait_s(s, drained, now - last_drain, busy or self._pending)
                 last_drain = now
                 if now - last_tick >= s.state_tick_s:

@@ -29,7 +29,7 @@ from actors.health import HealthProbe
 from actors.host_pipe import HostPipe
 from actors.ingest import MetricsBook
 from actors.models import NAMESPACE, Settings
-from actors.protocol import HostStats, RankMetrics, WorkerActorStats, WorkerReady, WorkerReport
+from actors.protocol import HostStats, WorkerActorStats, WorkerReady, WorkerReport
 
 logger = logging.getLogger("kvroute.host")
 
@@ -59,6 +59,7 @@ class LocalLink:
         """`apply(host, incarnation, workers, reports)`: the aggregator's registry takes the frame."""
         self._apply = apply
         self.sent = 0
+        self.window_s: float | None = None  # the fleet-wide window, set by the aggregator (None: coalesce_s)
 
     def ready(self) -> bool:
         return True
@@ -90,7 +91,7 @@ class Hosted:
 
     def report(self) -> WorkerReport:
         page = self.spec.page_size
-        ranks = [RankMetrics(**d) for d in self.book.ranks_report(page).values()]
+        ranks = self.book.rank_metrics(page)
         return WorkerReport(name=self.name, url=self.spec.url or "", page_size=page, incarnation=self.incarnation,
                             healthy=self.health.healthy, health_detail=self.health.detail, ranks=ranks,
                             models=self.health.models, role=self.spec.role, bootstrap_port=self.spec.bootstrap_port,
@@ -195,7 +196,8 @@ class NodeHosting:
         return HostStats(host=self.host, incarnation=self.pipe.incarnation, pid=os.getpid(),
                          workers=list(self.workers), frames=self.pipe.frames, full_frames=self.pipe.full_frames,
                          frames_dropped=self.link.dropped, aggregator_connects=self.link.reconnects,
-                         health_probes=sum(w.health.probes for w in self.workers.values()))
+                         health_probes=sum(w.health.probes for w in self.workers.values()),
+                         window_s=getattr(self.link, "window_s", None))
 
     async def remove_all(self, deregister: bool = False) -> list[str]:
         """Stop hosting every worker and forget them (a later restart hosts none); keeps running."""

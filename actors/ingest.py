@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from actors.models import KvMetrics, tokens_to_blocks
+from actors.protocol import RankMetrics
 from actors.wire import WireError, decode_kv_metrics
 
 
@@ -83,6 +84,21 @@ class MetricsBook:
             d["age_s"] = now - received_at
             d["seq"] = seq
             out[rank] = d
+        return out
+
+    def rank_metrics(self, page_size: int = 1) -> list[RankMetrics]:
+        """`ranks_report` as the `RankMetrics` a report carries, built straight from the latest values
+        (no dict per rank: a host builds these for every changed worker in every window)."""
+        now = self.clock()
+        out = []
+        for m, received_at, seq in self._latest.values():
+            v = m.__dict__
+            active, total = v["kv_active_blocks"], v["kv_total_blocks"]
+            if page_size != 1:
+                active, total = -(-active // page_size), -(-total // page_size)
+            out.append(RankMetrics(v["request_active_slots"], v["request_total_slots"], active, total,
+                                   v["num_requests_waiting"], v["gpu_cache_usage_perc"], v["gpu_prefix_cache_hit_rate"],
+                                   v["data_parallel_rank"], now - received_at, seq))
         return out
 
     def heard_at(self) -> float | None:

@@ -18,12 +18,20 @@ from actors.retry import Backoff
 
 logger = logging.getLogger("kvroute.link")
 
+WINDOW_POLL_S = 30.0  # a window long-poll answers after this long even if nothing changed
+
 
 class AggregatorLink:
     """`push_reports` / `push_in_flight` never block: a frame the socket cannot queue (more than
     `hwm` unsent: the aggregator is away or slow) is dropped and the caller's next, newer state
     goes instead. `ensure()` (re)connects: through Ray it asks the aggregator where it listens,
-    and again when the connection has been down `stale_s` (the aggregator restarted elsewhere)."""
+    and again when the connection has been down `stale_s` (the aggregator restarted elsewhere).
+
+    `follow_window` (a metrics host's link): once connected, the link long-polls the aggregator's
+    fleet-wide coalescing window (`Aggregator.host_window`, a Ray call that answers only when the
+    window changes, or after `WINDOW_POLL_S`) into `window_s` — the control channel from the
+    aggregator to the hosts, one pending call per link. None until the first answer (the pipe then
+    uses `coalesce_s`)."""
 
     def __init__(
         self,
@@ -36,11 +44,13 @@ class AggregatorLink:
         backoff_s: float = 0.1,
         backoff_max_s: float = 0.5,
         client_ip: str | None = None,
+        follow_window: bool = False,
     ) -> None:
         self._resolve = resolve
         self._ctx = ctx or zmq.asyncio.Context.instance()
         self.hwm, self.stale_s, self.call_timeout_s = hwm, stale_s, call_timeout_s
         self._backoff = Backoff(backoff_s, backoff_max_s)
+        self._window_backoff = Backoff(backoff_s, max(backoff_max_s, 1.0))
         self._retry_at = 0.0
         self._client_ip = client_ip
         self.handle: Any = None  # the aggregator's Ray handle (lifecycle calls: remove, snapshot)
@@ -53,6 +63,9 @@ class AggregatorLink:
         self.reconnects = 0
         self._lock: asyncio.Lock | None = None
         self.connections = 0  # TCP connections made to an aggregator: a new one may be a restarted aggregator
+        self.follow_window = follow_window
+        self.window_s: float | None = None  # the aggregator's fleet-wide window (follow_window), None until known
+        self._window_task: asyncio.Task | None = None
 
     @property
     def epoch(self) -> str | None:
@@ -98,6 +111,8 @@ class AggregatorLink:
             return False
         self._backoff.reset()
         self._open_socket(self.endpoints.ingest)
+        if self.follow_window and self._window_task is None:
+            self._window_task = asyncio.get_running_loop().create_task(self._follow_window())
         return True
 
     def push_reports(self, reports: list[WorkerReport]) -> bool:
@@ -112,7 +127,27 @@ class AggregatorLink:
         return self._push(InFlightShare(token=self._token(), replica=replica, counts=counts))
 
     def close(self) -> None:
+        if self._window_task is not None:
+            self._window_task.cancel()
+            self._window_task = None
         self._close_socket()
+
+    async def _follow_window(self) -> None:
+        """Long-poll the aggregator's fleet-wide window into `window_s` (see the class docstring). A
+        failed call (the aggregator restarting or gone) is retried with the link's back-off; the
+        window known meanwhile stays in use."""
+        while True:
+            handle = self.handle
+            try:
+                if handle is None:
+                    raise ConnectionError("no aggregator handle yet")
+                self.window_s = await handle.host_window.remote(self.window_s, WINDOW_POLL_S)
+                self._window_backoff.reset()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.debug("fleet window long-poll failed (%s); retrying", type(exc).__name__)
+                await asyncio.sleep(self._window_backoff.delay())
 
     # --- internals ----------------------------------------------------------------------------
 

@@ -46,7 +46,8 @@ class MetricsHost(HostingCalls):
         self.settings = s = Settings.model_validate(settings or {})
         self._ctx = zmq.asyncio.Context()
         self._link = AggregatorLink(self._resolve_aggregator, ctx=self._ctx, hwm=s.max_pending_pushes,
-                                    backoff_s=s.reconnect_backoff_s, backoff_max_s=s.reconnect_backoff_max_s)
+                                    backoff_s=s.reconnect_backoff_s, backoff_max_s=s.reconnect_backoff_max_s,
+                                    follow_window=True)  # the aggregator's fleet-wide window (actors.fleet_window)
         node = ray.get_runtime_context().get_node_id()
         key = f"{host}-workers"
         self._hosting = NodeHosting(host, node, s, self._ctx, self._link, deregister=self._deregister,

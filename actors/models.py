@@ -112,6 +112,13 @@ class Settings(BaseModel):
         "quiet spell at once), and the aggregator publishes deltas of fewer than 8 workers at most once per window "
         "(larger ones every publish_interval_s)"
     )
+    fleet_window_s: float = Field(
+        0.01, gt=0, description="the coalescing window of every metrics host while the fleet is large (the aggregator "
+        "takes at least 8 changed reports per publish_interval_s, 800/s at the defaults, and publishes every "
+        "publish_interval_s then): the aggregator hands it to the hosts (actors/fleet_window.py), so a change waits at "
+        "most fleet_window_s at its host plus publish_interval_s at the aggregator (20 ms at the defaults). Small "
+        "fleets keep coalesce_s. Never longer than coalesce_s"
+    )
     aggregator_resources: dict[str, float] = Field(
         default_factory=dict, description="custom Ray resources the aggregator requests (e.g. kvroute_head)"
     )

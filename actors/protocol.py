@@ -283,6 +283,7 @@ class HostStats(msgspec.Struct, frozen=True):
     frames_dropped: int
     aggregator_connects: int
     health_probes: int = 0  # /health requests made for its workers (passive liveness skips most while they publish)
+    window_s: float | None = None  # the fleet-wide coalescing window its link follows (None: coalesce_s, not heard yet)
 
 
 class AggregatorStats(msgspec.Struct, frozen=True):
@@ -300,6 +301,7 @@ class AggregatorStats(msgspec.Struct, frozen=True):
     endpoints: dict[str, tuple[str, str]]
     hosts: int = 0  # metrics hosts heard from (node hosting)
     host_frames: int = 0  # frames received from them (each one their workers' heartbeat)
+    host_window_s: float = 0.0  # the fleet-wide coalescing window handed to metrics hosts now (actors.fleet_window)
 
 
 _ingest_encoder = msgspec.msgpack.Encoder()

@@ -6,7 +6,9 @@ frames) and a node's metrics host (`actors.host_pipe.HostPipe`: many workers, on
 each says how it receives (`_pause_receive` / `_resume_receive` / `_drain_waiting`) and what one
 push is (`_push_now`). No Ray import.
 
-- The first change after `coalesce_s` without a push goes at once, from the receive callback itself
+- The window is `Settings.coalesce_s`, or the fleet-wide window the aggregator hands a metrics host's
+  link (`link.window_s`, `actors.fleet_window`: shorter while the fleet is large).
+- The first change after a window without a push goes at once, from the receive callback itself
   (no hand-off to the push loop).
 - After that a coalescing window starts: the receive watches sleep (SGLang's frames wait in their
   sockets; the process is not woken per frame) and at its end one push carries the newest state.
@@ -65,17 +67,22 @@ class PushWindow:
 
     # --- the windows ----------------------------------------------------------------------------
 
+    def window_s(self) -> float:
+        """The coalescing window now: the aggregator's fleet-wide one if the link follows it, else `coalesce_s`."""
+        w = getattr(self.link, "window_s", None)
+        return self.settings.coalesce_s if w is None else w
+
     def _metrics_arrived(self) -> None:
         """New metrics, throttled on both edges (see the module docstring)."""
         if self._timer is not None:
             return
-        if time.monotonic() - self._last_push >= self.settings.coalesce_s and self._push_now():
+        if time.monotonic() - self._last_push >= self.window_s() and self._push_now():
             return
         self._start_window()
 
     def _start_window(self) -> None:
         self._pause_receive()
-        wait = max(self.settings.coalesce_s - (time.monotonic() - self._last_push), self.settings.push_interval_s)
+        wait = max(self.window_s() - (time.monotonic() - self._last_push), self.settings.push_interval_s)
         self._timer = asyncio.get_running_loop().call_later(wait, self._window_ends)
 
     def _window_ends(self) -> None:

@@ -31,7 +31,6 @@ from actors.models import NAMESPACE, Settings
 from actors.protocol import (
     KvEventsStatus,
     KvLogAnswer,
-    RankMetrics,
     WorkerActorStats,
     WorkerReady,
     WorkerReport,
@@ -205,7 +204,7 @@ class WorkerActor:
 
     def _report(self) -> WorkerReport:
         page = self.spec.page_size
-        ranks = [RankMetrics(**d) for d in self.book.ranks_report(page).values()]
+        ranks = self.book.rank_metrics(page)
         kv = self.kv_log is not None  # routers follow this actor's KV log (exact prefix mode)
         return WorkerReport(name=self.name, url=self.url or "", page_size=page, incarnation=self.incarnation,
                             healthy=self.healthy, health_detail=self.health_detail, ranks=ranks,

@@ -87,7 +87,7 @@ class Emulator:
 
     async def start(self) -> None:
         n_hosts = -(-len(self.names) // self.per_host) if self.per_host else 0
-        self._sender = await _sender(self.settings, hwm=2 * (n_hosts or len(self.names)))
+        self._sender = await _sender(self.settings, hwm=2 * (n_hosts or len(self.names)), follow_window=bool(n_hosts))
         if self.per_host:
             from actors.host_pipe import HostPipe
             from actors.models import Settings
@@ -166,12 +166,14 @@ class Emulator:
             await asyncio.sleep(max(0.0, min(tick, due[i] - time.monotonic())))
 
 
-async def _sender(settings: dict[str, Any], hwm: int) -> Any:
+async def _sender(settings: dict[str, Any], hwm: int, follow_window: bool = False) -> Any:
     """One link for all the emulator's workers, queueing at most `max_pending_pushes` (2) frames
-    per worker as each worker actor's own link does: a starved emulator drops, it does not buffer."""
+    per worker as each worker actor's own link does: a starved emulator drops, it does not buffer.
+    `follow_window`: emulated metrics hosts follow the aggregator's fleet-wide window, as a
+    `MetricsHost`'s link does."""
     from actors.link import AggregatorLink
 
-    link = AggregatorLink(lambda: asyncio.to_thread(_aggregator, settings), hwm=hwm)
+    link = AggregatorLink(lambda: asyncio.to_thread(_aggregator, settings), hwm=hwm, follow_window=follow_window)
     while not await link.ensure():
         await asyncio.sleep(0.1)
     return _ZmqSender(link)
@@ -320,6 +322,7 @@ def _window(agg: Any, agg_pid: int, emus: list[Any], hosts: list[Any], host_pids
         "deltas_s": deltas, "p50": _q(lat, 50), "p99": _q(lat, 99), "samples": len(lat),
         "bytes": nbytes / frames if frames else float("nan"),
         "frames_s": ((a1.host_frames - a0.host_frames) / dt) if a1.host_frames else absorbed,  # ingest frames/s
+        "window_ms": 1e3 * a1.host_window_s,  # the fleet-wide host window at the window's end
     }
 
 
@@ -467,7 +470,8 @@ def real_actors(k: int, seconds: float, frame_hz: float = 0.0, profile: str | No
     dt = time.monotonic() - t0
     c1 = {p: _cpu_s(p) for p in c0}
     probes1 = ray.get(hosting_actor.host_stats.remote()).health_probes if hosting_actor else 0
-    frames1 = ray.get(agg.stats.remote()).host_frames
+    a1 = ray.get(agg.stats.remote())
+    frames1 = a1.host_frames
     for spy in spies:
         spy.wait(timeout=60)
     stop.set()
@@ -475,7 +479,7 @@ def real_actors(k: int, seconds: float, frame_hz: float = 0.0, profile: str | No
     out = {"worker_actor": statistics.mean(pct[p] for p in wpids) if wpids else 0.0,
            "bare_actor": statistics.mean(pct[p] for p in bpids),
            "aggregator": pct[agg_pid], "follower": pct[hpid], "processes": len(wpids),
-           "frames_s": (frames1 - frames0) / dt, "probes_s": (probes1 - probes0) / dt if hosting_actor else None}
+           "frames_s": (frames1 - frames0) / dt, "window_ms": 1e3 * a1.host_window_s, "probes_s": (probes1 - probes0) / dt if hosting_actor else None}
     ray.get(host.stop.remote())
     ray.get([a.stop.remote() for a in actors])
     for a in [*handles, *bare, host]:
@@ -485,18 +489,18 @@ def real_actors(k: int, seconds: float, frame_hz: float = 0.0, profile: str | No
     return out
 
 
-HEADER = ("| N × Hz | hosting | R | offered/s | absorbed/s | frames/s | aggregator % core | µs/report "
-          "| follower % core (floor) | deltas/s | fresh p50 / p99 ms | bytes/delta | cold follower s |\n"
-          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+HEADER = ("| N × Hz | hosting | host window ms | R | offered/s | absorbed/s | frames/s | aggregator % core | µs/report "
+          "| follower % core (floor) | deltas/s | fresh p50 / p99 ms | bytes/delta | cold follower s | load |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def _print_row(r: dict[str, Any]) -> None:
     kind = {0: " hb", 1: ""}.get(r["change_every"], f" 1/{r['change_every']}")
     hosting = f"{r['per_host']}/host" if r["per_host"] else "worker"
-    print(f"| {r['n']:,} × {r['hz']:g}{kind} | {hosting} | {r['r']} | {r['offered']:,.0f} | {r['absorbed']:,.0f} "
+    print(f"| {r['n']:,} × {r['hz']:g}{kind} | {hosting} | {r['window_ms']:.0f} | {r['r']} | {r['offered']:,.0f} | {r['absorbed']:,.0f} "
           f"| {r['frames_s']:,.0f} | {r['agg_cpu']:.0f} "
           f"| {r['us_per_report']:.0f} | {r['fol_cpu']:.1f} ({r['floor_cpu']:.1f}) | {r['deltas_s']:.0f} "
-          f"| {r['p50']:.0f} / {r['p99']:.0f} | {r['bytes']:,.0f} | {r['cold_s']:.2f} |", flush=True)
+          f"| {r['p50']:.0f} / {r['p99']:.0f} | {r['bytes']:,.0f} | {r['cold_s']:.2f} | {os.getloadavg()[0]:.1f} |", flush=True)
 
 
 def main() -> int:
@@ -515,6 +519,8 @@ def main() -> int:
                          "the heartbeats); 0: one frame per worker report, as WorkerActors send")
     ap.add_argument("--coalesce-s", type=float, default=None,
                     help="Settings.coalesce_s for the run (default: the setting's default, 0.05)")
+    ap.add_argument("--fleet-window-s", type=float, default=None,
+                    help="Settings.fleet_window_s for the run (default: the setting's default, 0.01)")
     ap.add_argument("--health-busy-s", type=float, default=None,
                     help="Settings.health_busy_interval_s for the run (default: the setting's default, 5)")
     ap.add_argument("--real-actors", type=int, default=0, metavar="K",
@@ -546,6 +552,7 @@ def main() -> int:
         order = {"both": ["node", "worker"], "all": ["node", "host", "worker"]}.get(ns.hosting, [ns.hosting])
         for hosting in order:
             plane_cfg = {**({"coalesce_s": ns.coalesce_s} if ns.coalesce_s else {}),
+                         **({"fleet_window_s": ns.fleet_window_s} if ns.fleet_window_s else {}),
                          **({"health_busy_interval_s": ns.health_busy_s} if ns.health_busy_s else {})}
             r = real_actors(k, ns.seconds, ns.frame_hz, ns.profile, hosting, plane_cfg or None)
             m = r["processes"]  # worker-side processes: k worker actors, one metrics host, or none
@@ -554,7 +561,8 @@ def main() -> int:
                     "worker": f"{k} real WorkerActors"}[hosting]
             side = {"node": "no worker-side process", "host": f"MetricsHost {r['worker_actor']:.2f}",
                     "worker": f"WorkerActor {r['worker_actor']:.2f} each"}[hosting]
-            extra = "" if r["probes_s"] is None else f"; host frames {r['frames_s']:.1f}/s, /health probes {r['probes_s']:.2f}/s"
+            extra = "" if r["probes_s"] is None else (f"; host frames {r['frames_s']:.1f}/s (window {r['window_ms']:.0f} ms), "
+                                                      f"/health probes {r['probes_s']:.2f}/s")
             print(f"{what}, {ns.frame_hz:g} SGLang frames/s each, {ns.seconds:g} s, load {os.getloadavg()[0]:.1f}; "
                   f"% of one core: {side} (bare async actor {r['bare_actor']:.2f}"
                   + (f" → {r['worker_actor'] - r['bare_actor']:.2f} above the floor" if m else "")
@@ -567,7 +575,8 @@ def main() -> int:
         for n in ns.workers:
             for hz in ns.hz:
                 run_cell(n, hz, ns.seconds, ns.emulators, sorted(ns.followers), ns.change_every, ns.per_host,
-                         {"coalesce_s": ns.coalesce_s} if ns.coalesce_s else None)
+                         {**({"coalesce_s": ns.coalesce_s} if ns.coalesce_s else {}),
+                          **({"fleet_window_s": ns.fleet_window_s} if ns.fleet_window_s else {})} or None)
     finally:
         ray.shutdown()
     print(f"\nload average at end {os.getloadavg()[0]:.2f}")

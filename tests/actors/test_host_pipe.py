@@ -16,7 +16,7 @@ from actors.link import AggregatorLink
 from actors.models import Settings
 from actors.protocol import HostFrame, RankMetrics, WorkerReport, decode_ingest
 from sim.sglang_shapes import encode_kv_metrics
-from tests.actors.test_metrics_pipe import BASE, AggregatorHandle, _until
+from tests.actors.test_metrics_pipe import BASE, AggregatorHandle, _Remote, _until
 
 
 class HostRig:
@@ -208,3 +208,81 @@ async def test_a_hosted_workers_report_carries_what_a_worker_actors_does(tmp_pat
         finally:
             w.close()
     ctx.term()
+
+
+async def _busy_emulated_worker(rig: HostRig, seconds: float) -> int:
+    """An emulated worker whose metrics change every 10 ms for `seconds`; returns the frames it caused."""
+    state = {"active": 0}
+
+    def report() -> WorkerReport:
+        rank = RankMetrics(state["active"], 8, 1, 10, 0, 0.1, 0.0, 0, 0.0, state["active"])
+        return WorkerReport(name="emu", url="http://emu", page_size=1, incarnation="i", healthy=True, ranks=[rank])
+
+    if "emu" not in rig.pipe.names():
+        rig.pipe.add("emu", None, None, report)
+    n = len(rig.frames)
+    for _ in range(int(seconds / 0.01)):
+        state["active"] += 1
+        rig.pipe.changed("emu")
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    return len(rig.frames) - n
+
+
+async def test_the_pipe_coalesces_over_the_fleet_wide_window_its_link_follows(host_rig):
+    """The aggregator's fleet-wide window (`link.window_s`, `actors.fleet_window`) replaces
+    `coalesce_s` while it is set: a large fleet's hosts push more often, a small one's as before."""
+    rig = host_rig([], heartbeat_s=30.0, coalesce_s=0.25)
+    rig.pipe.start()
+    await _until(lambda: len(rig.frames) >= 1 and rig.link.ready())
+    slow = await _busy_emulated_worker(rig, 1.0)  # coalesce_s 0.25: ~4 windows
+    rig.link.window_s = 0.05
+    fast = await _busy_emulated_worker(rig, 1.0)  # the fleet-wide window: ~20
+    rig.link.window_s = None
+    slow_again = await _busy_emulated_worker(rig, 1.0)
+    assert slow <= 7 and slow_again <= 7, (slow, slow_again)
+    assert fast >= 12, fast
+
+
+class _WindowHandle(AggregatorHandle):
+    """`host_window.remote(known, wait_s)` as the aggregator answers it: at once when the window
+    differs from `known`, else when it changes (here: after a short wait)."""
+
+    def __init__(self, ingest: str) -> None:
+        super().__init__(ingest)
+        self.window = 0.05
+        self.polls: list[float | None] = []
+
+        async def host_window(known, wait_s):
+            self.polls.append(known)
+            if known == self.window:
+                await asyncio.sleep(0.05)
+            return self.window
+
+        self.host_window = _Remote(host_window)
+
+
+async def test_a_following_link_long_polls_the_aggregators_window_and_a_plain_one_does_not():
+    ctx = zmq.asyncio.Context()
+    ingest = ctx.socket(zmq.PULL)
+    port = ingest.bind_to_random_port("tcp://127.0.0.1")
+    handle = _WindowHandle(f"tcp://127.0.0.1:{port}")
+
+    async def resolve():
+        return handle
+
+    following = AggregatorLink(resolve, ctx=ctx, client_ip="127.0.0.1", follow_window=True)
+    plain = AggregatorLink(resolve, ctx=ctx, client_ip="127.0.0.1")
+    try:
+        assert following.window_s is None
+        assert await following.ensure() and await plain.ensure()
+        await _until(lambda: following.window_s == 0.05)
+        handle.window = 0.02
+        await _until(lambda: following.window_s == 0.02)
+        assert handle.polls[0] is None and 0.05 in handle.polls
+        assert plain.window_s is None
+    finally:
+        following.close()
+        plain.close()
+        ingest.close(linger=0)
+        ctx.term()

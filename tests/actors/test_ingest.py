@@ -34,3 +34,15 @@ def test_refusals_are_counted_by_reason_and_do_not_touch_the_latest_value():
     assert book.stats.as_dict()["refused_by_reason"] == {"unknown_format": 1, "oversized": 1}
     assert book.stats.frames_received == 3 and book.stats.frames_accepted == 1
     assert book.latest()[0].request_active_slots == 1
+
+
+def test_rank_metrics_are_the_ranks_report_as_a_report_carries_them():
+    from actors.protocol import RankMetrics
+
+    for page in (1, 16):
+        book = MetricsBook(65536, clock=lambda: 5.0)
+        for rank, active in ((0, 3), (1, 5), (0, 4)):
+            book.ingest(encode_kv_metrics("0.5.23", **{**BASE, "request_active_slots": active,
+                                                       "data_parallel_rank": rank}))
+        assert book.rank_metrics(page) == [RankMetrics(**d) for d in book.ranks_report(page).values()]
+        assert book.rank_metrics(page)[0].kv_active_blocks == -(-100 // page)

@@ -167,3 +167,50 @@ def test_a_worker_that_needs_its_own_actor_is_refused_by_the_host(agg, tmp_path)
     finally:
         kill_worker_actors(names=["mh-kv"])
         ray.get(agg.remove.remote("mh-kv"), timeout=10)
+
+
+def test_a_large_fleet_shortens_every_hosts_window_through_the_aggregator_and_a_quiet_one_restores_it(agg, hosted):
+    """The fleet-wide window (`actors.fleet_window`): while the aggregator takes ≥ 800 changed reports/s
+    it hands `fleet_window_s` to every metrics host (the host's link long-polls it), and `coalesce_s`
+    again once the fleet is quiet."""
+    import ray
+
+    from actors.models import Settings
+    from actors.protocol import RankMetrics, ReportBatch, WorkerReport, encode
+
+    s = Settings()
+    specs, handles, _ = hosted
+    host = handles[0].host
+    wait_for(lambda: ray.get(host.host_stats.remote(), timeout=10).window_s == s.coalesce_s, 15,
+             what="the host to learn the small fleet's window")
+    ep = ray.get(agg.endpoints.remote("127.0.0.1"), timeout=10)
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(ep.ingest)
+    tag = uuid.uuid4().hex[:6]
+    names = [f"big-{tag}-{i}" for i in range(40)]
+    seq = 0
+
+    def burst(seconds: float) -> None:  # 40 emulated workers' changed reports, ~1,600/s
+        nonlocal seq
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            seq += 1
+            reports = [WorkerReport(name=n, url=f"http://{n}", page_size=1, incarnation=tag, healthy=True,
+                                    ranks=[RankMetrics(1, 8, 1, 10, 0, 0.1, 0.0, 0, 0.0, seq)]) for n in names]
+            push.send(encode(ReportBatch(token=ep.token, reports=reports)))
+            time.sleep(0.025)
+
+    try:
+        deadline = time.monotonic() + 15
+        while ray.get(host.host_stats.remote(), timeout=10).window_s != s.fleet_window_s:
+            assert time.monotonic() < deadline, "the host never heard the large fleet's window"
+            burst(0.5)
+        assert ray.get(agg.stats.remote(), timeout=10).host_window_s == s.fleet_window_s
+        wait_for(lambda: ray.get(host.host_stats.remote(), timeout=10).window_s == s.coalesce_s, 10,
+                 what="the host to hear the window of a fleet gone quiet")
+        assert ray.get(agg.stats.remote(), timeout=10).host_window_s == s.coalesce_s
+    finally:
+        push.close(linger=0)
+        for n in names:
+            ray.get(agg.remove.remote(n), timeout=10)
