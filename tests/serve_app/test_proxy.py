@@ -24,6 +24,23 @@ async def _serve(handler) -> tuple[web.AppRunner, str]:
     port = site._server.sockets[0].getsockname()[1]
     return runner, f"http://127.0.0.1:{port}"
 
+def _slow_stream(events: list[bytes], gap_s: float, closed: asyncio.Event):
+    """A worker streaming `events` `gap_s` apart that sets `closed` when its client goes away."""
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            for ev in events:
+                await resp.write(ev)
+                await asyncio.sleep(gap_s)
+        except (ConnectionResetError, asyncio.CancelledError):
+            closed.set()
+            raise
+        await resp.write_eof()
+        return resp
+    return handler
+
+
 
 def _sse_handler(gaps_s: list[float], tail_wait_s: float = 0.0):
     """One chunked SSE event per write; gaps_s[i] is the pause before event i+1."""
@@ -243,18 +260,7 @@ async def test_a_stream_closed_early_closes_its_connection():
     what makes SGLang abort the request — and the next request gets a fresh one."""
     closed = asyncio.Event()
 
-    async def handler(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
-        await resp.prepare(request)
-        try:
-            for ev in EVENTS:
-                await resp.write(ev)
-                await asyncio.sleep(0.05)
-        except (ConnectionResetError, asyncio.CancelledError):
-            closed.set()
-            raise
-        await resp.write_eof()
-        return resp
+    handler = _slow_stream(EVENTS, 0.05, closed)
 
     runner, url = await _serve(handler)
     client = UpstreamClient(2.0, 10.0)
@@ -393,18 +399,7 @@ async def test_a_connection_broken_while_held_is_an_upstream_error_when_the_inte
 async def test_a_client_gone_while_reads_are_held_closes_the_worker_connection():
     closed = asyncio.Event()
 
-    async def handler(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
-        await resp.prepare(request)
-        try:
-            for ev in TOKENS * 20:
-                await resp.write(ev)
-                await asyncio.sleep(0.01)
-        except (ConnectionResetError, asyncio.CancelledError):
-            closed.set()
-            raise
-        await resp.write_eof()
-        return resp
+    handler = _slow_stream(TOKENS * 20, 0.01, closed)
 
     runner, url = await _serve(handler)
     client = UpstreamClient(2.0, 10.0)
