@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.run import ENGINE, MC, MC_ENGINE, MT, NS, SP, SUITES  # noqa: E402
 from bench.workloads import build_messages, make_trace  # noqa: E402
+from bench.overrides import parse_router_overrides  # noqa: E402
 from serve_app.config import RouterConfig  # noqa: E402
 from serve_app.follower import FleetFollower, WorkerRecord  # noqa: E402
 from serve_app.router import RouterCore  # noqa: E402
@@ -255,6 +256,8 @@ class Result:
     per_worker: dict[str, int]
     parts: list[dict[str, float]] = field(default_factory=list)  # per measured request, as `ttft`
     served_by: list[str] = field(default_factory=list)  # per measured request, as `ttft`
+    believed: int = 0  # kvroute policies: Σ prompt blocks the router believed cached where it sent them
+    blocks: int = 0  # … of Σ router blocks of those prompts (believed / blocks vs cached / prompt)
 
     def summary(self) -> dict[str, float]:
         q = statistics.quantiles(self.ttft, n=100) if len(self.ttft) > 1 else [0.0] * 99
@@ -412,6 +415,9 @@ def run(workload: str, rate: float, duration_s: float, policy: str, *, seed: int
                     continue
                 d, facts = core.decide(facts)
                 name = d.worker
+                if s.start_s >= warmup_s:  # (before on_routed: overlap reads the index's live holder sets)
+                    res.believed += facts.overlap.get(name, 0)
+                    res.blocks += facts.prompt_blocks
                 core.on_routed(rid, facts, name)
                 if adm.config.enabled:
                     adm.dispatched(name)
@@ -500,10 +506,13 @@ def main() -> int:
                     help="engine report → router's view (the metrics plane's lag), simulated seconds")
     ap.add_argument("--kv", action="append", default=[], metavar="KNOB=VALUE",
                     help="a kv_aware knob for every kv_aware run, e.g. --kv tolerance=0.5")
+    ap.add_argument("--router", action="append", default=[], metavar="SECTION.KEY=JSON",
+                    help="a router setting for every run, e.g. --router prefix_index.cache_share=0")
     ap.add_argument("--breakdown", action="store_true",
                     help="then where the TTFT went (PARTS, ms) for the median band (p40-p60) and the tail (≥ p99)")
     ns = ap.parse_args()
     kv = {a.split("=", 1)[0]: float(a.split("=", 1)[1]) for a in ns.kv}
+    router = parse_router_overrides(ns.router)
     cells: list[tuple[str, float, dict[str, Any] | None, dict[str, Any] | None]] = []
     if ns.suite:
         suite = SUITES[ns.suite]
@@ -516,7 +525,7 @@ def main() -> int:
         cells = [(wl, float(x), None, None) for x in (ns.rates or "12,24,30").split(",")]
     print(f"# routesim: {ns.suite + ' suite' if ns.suite else cells[0][0]}, {ns.duration:g} s window "
           f"(warm-up {ns.warmup:g} s), engine {cells[0][3] or ENGINES.get(cells[0][0], ENGINE)}, "
-          f"kv_aware overrides {kv or 'none'}\n")
+          f"kv_aware overrides {kv or 'none'}, router overrides {router or 'none'}\n")
     print("| policy | workload | rate | req/s | TTFT p50 ms | p99 ms | E2E p50 ms | hit % | spread |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     parts: list[str] = []
@@ -524,7 +533,7 @@ def main() -> int:
         for pol in ns.policies.split(","):
             t0 = time.perf_counter()
             res = [run(wl, rate, ns.duration, pol, seed=s + 1, kv_aware=kv, warmup_s=ns.warmup,
-                       engine=engine, params=params,
+                       engine=engine, params=params, router=router,
                        knobs=Knobs(net_s=ns.net, report_delay_s=ns.report_delay,
                                    report_date_bias_s=ns.report_date_bias))
                    for s in range(ns.seeds)]

@@ -435,6 +435,9 @@ def main(argv: list[str] | None = None) -> int:
                          "default-mode routers' affinity off (see bench/results/quick-kv-events.md)")
     ap.add_argument("--kv", action="append", default=[], metavar="KNOB=VALUE",
                     help="a kv_aware knob for every kvroute target (development only), e.g. --kv live_weight=0")
+    ap.add_argument("--router", action="append", default=[], metavar="SECTION.KEY=JSON",
+                    help="a router setting for every kvroute target, e.g. --router prefix_index.cache_share=0 "
+                    "(named in the report's overrides)")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="record every Serve-hosted target's router replica with py-spy during its trials; "
                          "raw stacks and their top entries go to DIR (see bench/profile.py)")
@@ -515,6 +518,13 @@ def main(argv: list[str] | None = None) -> int:
     if knobs:
         suite["kv_aware"] = knobs
         overrides.append("kv=" + ",".join(ns.kv))
+    router_args: dict[str, Any] = {"kv_aware": knobs} if knobs else {}
+    if ns.router:
+        from bench.overrides import parse_router_overrides
+
+        router_args = {**router_args, **parse_router_overrides(ns.router)}
+        suite["router"] = router_args
+        overrides.append("router=" + ",".join(ns.router))
     dump = Path(ns.dump).resolve() if ns.dump else None
     if dump is not None:
         dump.mkdir(parents=True, exist_ok=True)
@@ -527,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     fleet = BenchFleet(suite["workers"], suite["engine"], verbose=ns.verbose, progress=progress,
                        models=tuple(suite.get("models", ())),
                        targets_enabled=enabled, kv_events=suite["kv_events"],
-                       router_args={"kv_aware": knobs} if knobs else {}, decision_log_dir=dump,
+                       router_args=router_args, decision_log_dir=dump,
                        dp_size=ns.dp_size, pd=tuple(suite["pd"]) if suite.get("pd") else None)
     trials: list[dict] = []
     overhead: list[dict] = []

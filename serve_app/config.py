@@ -121,6 +121,12 @@ class PrefixIndexConfig(BaseModel):
         description="a block first sent to a worker within this window also counts as hot (its second "
         "request may be on its way); at most hot_window_s",
     )
+    cache_share: float = Field(
+        1.0, ge=0, le=4,
+        description="approximate index: the share of a worker's reported KV pool taken to hold cached "
+        "prefixes; a block counts as evicted there once more new blocks than that were sent after its "
+        "last use (the engine evicts least recently used first). 0: entries age by ttl_s only",
+    )
     max_blocks_per_source: int = Field(
         _default_of(KvEventIndex.__init__, "max_blocks_per_source"), ge=1,
         description="exact index (KV events): blocks kept per worker and DP rank at most",

@@ -36,6 +36,8 @@ from serve_app.policies.overlap import Holders, Overlap
 
 log = logging.getLogger(__name__)
 
+_NEVER = float("-inf")
+
 BlockHasher = Callable[[int, Sequence[int]], int]
 """(parent block's hash — 0 for the first block —, this block's token ids) → this block's hash."""
 
@@ -129,6 +131,81 @@ class _Fresh:
         return gone > 0
 
 
+class _Horizon:
+    """One worker's cache as an LRU cache of `capacity` blocks, followed per sending (a `record` at
+    one time): the blocks each sending was the last to use (`live`: time → count, oldest first) and
+    how long its prompt was. A sending's blocks leave its count when a later one uses them again
+    (they are more recent now: the shared, shallow ones), so the counts add up to the distinct
+    blocks the worker should still hold (`held`), and a sending's own are the deepest blocks of its
+    prompt. While `held` exceeds the capacity the oldest sending is trimmed from its deepest block
+    up, as the engine's radix cache evicts leaves least recently used first: what is left of it
+    is its blocks above `trim_from` (`trim_at` names it); once none is left, everything used at or
+    before its time is gone (`before`). O(1) per block reused, O(1) amortised per sending."""
+
+    __slots__ = ("capacity", "live", "length", "held", "before", "trim_at", "trim_from")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.live: OrderedDict[float, int] = OrderedDict()  # sending time → blocks it last used
+        self.length: dict[float, int] = {}  # sending time → its prompt's length in blocks
+        self.held = 0  # the sum of `live`
+        self.before = _NEVER  # blocks last used at or before this time are evicted
+        self.trim_at = _NEVER  # the sending being trimmed: its blocks at positions ≥ trim_from are gone
+        self.trim_from = 0
+
+    def holds(self, last_used: float, position: int) -> bool:
+        """Whether the block at `position` of a prompt, last used at `last_used`, is still held."""
+        return last_used > self.before and (last_used != self.trim_at or position < self.trim_from)
+
+    def release(self, last_used: float, lo: int, hi: int) -> None:
+        """The blocks at positions lo..hi of a prompt, all last used at `last_used`, are used again
+        now: they leave that sending's count (those it still holds: none if it was evicted, or
+        sent before the capacity was known)."""
+        c = self.live.get(last_used)
+        if c is None:
+            return
+        n = hi - lo + 1
+        if last_used == self.trim_at:  # only its blocks above trim_from are still held
+            n = max(0, min(hi + 1, self.trim_from) - lo)
+        self.held -= n
+        if c > n:
+            self.live[last_used] = c - n
+            return
+        del self.live[last_used]  # (c < n only for this very sending: a block repeated in its prompt)
+        del self.length[last_used]
+        if last_used == self.trim_at:  # the oldest, trimmed: what was left of it moved on
+            self.before = last_used
+        if c < n:
+            self.held += n - c
+
+    def add(self, now: float, blocks: int, length: int) -> None:
+        """A sending at `now` used these many distinct blocks (new, back, or reused) of a prompt of
+        `length` blocks."""
+        live = self.live
+        live[now] = live.get(now, 0) + blocks
+        if length > self.length.get(now, 0):
+            self.length[now] = length
+        self.held += blocks
+        while self.held > self.capacity and len(live) > 1:  # the newest sending always stays
+            t, n = next(iter(live.items()))
+            excess = self.held - self.capacity
+            if n <= excess:  # all of it goes
+                del live[t], self.length[t]
+                self.before = t
+                self.held -= n
+                continue
+            if self.trim_at != t:
+                self.trim_at, self.trim_from = t, self.length[t]
+            self.trim_from -= excess
+            live[t] = n - excess
+            self.held -= excess
+
+    @property
+    def stale_from(self) -> float:
+        """No block used after this time is evicted."""
+        return self.trim_at if self.trim_at > self.before else self.before
+
+
 class PrefixIndex:
     """Approximate prefix index of one router replica: block hash → {worker: last use}.
 
@@ -143,6 +220,15 @@ class PrefixIndex:
     first copy looks like any unique prompt). `hot_blocks(worker)` is what a new prompt would push
     out of that worker's cache at a cost; kv_aware prices that eviction. `take_changed()` names
     the workers whose count moved.
+
+    A worker's cache is bounded, so what was sent there long enough ago is gone whatever `ttl_s`
+    says. Given a worker's capacity (`set_capacity`: the blocks its KV pool can keep — the router
+    sets it from the pool size the worker reports), the index follows that cache as an LRU cache
+    (`_Horizon`) and `overlap` claims only what it can still hold. Without that, a prompt whose
+    prefix the worker evicted long ago looks cached there: kv_aware sends it back, counts its
+    prefill as small, and stacks the next requests behind what is in fact a full prefill — on the
+    Mooncake replay the index believed 4× the tokens the engines had cached
+    (bench/results/standard-mooncake-7.md).
     """
 
     def __init__(
@@ -171,9 +257,30 @@ class PrefixIndex:
         # worker → its blocks sent there once, within fresh_window_s (counted per sending: `_Fresh`)
         self._fresh: dict[str, _Fresh] = {}
         self._changed: set[str] = set()
+        # worker → its capacity horizon (`_Horizon`): blocks last used before its `before` are evicted
+        self._horizon: dict[str, _Horizon] = {}
+        self._max_evicted_before = _NEVER  # the latest `stale_from` of them
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def set_capacity(self, worker: str, blocks: int | None) -> None:
+        """How many blocks `worker`'s cache can keep (None or ≤ 0: unknown — only `ttl_s` ages its
+        entries). Changing it keeps the count; a larger one cannot bring back evicted blocks."""
+        h = self._horizon.get(worker)
+        if blocks is None or blocks <= 0:
+            if h is not None:
+                h.capacity = 1 << 62
+            return
+        if h is None:
+            self._horizon[worker] = _Horizon(blocks)
+        else:
+            h.capacity = blocks
+
+    def evicted_before(self, worker: str) -> float:
+        """Blocks last sent to `worker` at or before this time are taken as evicted there."""
+        h = self._horizon.get(worker)
+        return h.before if h is not None else float("-inf")
 
     def hot_blocks(self, worker: str) -> int:
         """Blocks reused on `worker` lately or first sent there just now (see the class docstring)."""
@@ -223,8 +330,14 @@ class PrefixIndex:
         fresh = self._fresh[worker]
         n_hot, n_fresh = len(hot), fresh.n
         hot_move = hot.move_to_end
+        horizon = self._horizon.get(worker)
+        # the blocks it already held, as runs of one last use each (a held prefix's use times only
+        # grow towards its root): run_at over positions run_lo..run_hi, released to `horizon` per run
+        i = len(block_hashes)  # the position of each block, deepest first
+        run_at, run_lo, run_hi = _NEVER, 0, -1
         added = 0  # blocks first sent to `worker` now: fresh from now on (one count for all of them)
         for h in reversed(block_hashes):  # root last: it becomes the most recently used
+            i -= 1
             e = entries.get(h)
             if e is None:
                 e = entries[h] = Holders()
@@ -232,6 +345,11 @@ class PrefixIndex:
                 added += 1
             else:
                 if worker in e:
+                    if e[worker] != run_at:
+                        if run_hi >= 0 and horizon is not None:
+                            horizon.release(run_at, run_lo, run_hi)
+                        run_at, run_hi = e[worker], i
+                    run_lo = i
                     if h in hot:
                         hot[h] = now
                         hot_move(h)
@@ -254,6 +372,12 @@ class PrefixIndex:
             fresh.n += added
         if len(hot) != n_hot or fresh.n != n_fresh:
             self._changed.add(worker)
+        if horizon is not None:
+            if run_hi >= 0:
+                horizon.release(run_at, run_lo, run_hi)
+            horizon.add(now, len(block_hashes), len(block_hashes))
+            if horizon.stale_from > self._max_evicted_before:
+                self._max_evicted_before = horizon.stale_from
         self._evict(now)
 
     def overlap(self, block_hashes: Sequence[int], now: float | None = None) -> Overlap:
@@ -265,19 +389,25 @@ class PrefixIndex:
         get = self._entries.get
         tiers = _tiers(len(block_hashes), lambda i: get(block_hashes[i]))
         fixed: dict[str, int] = {}
+        horizons = self._horizon
+        last_stale = max(cutoff, self._max_evicted_before)
         # use times only decrease along a prompt, so a worker is stale somewhere iff it is stale at
         # its deepest block; holders are ordered by last use, so the stale ones of a block lead its
         # set. Deepest tier first: a worker's first stale sighting is at its deepest block.
         for k, e in reversed(tiers):
             for w, t in e.items():
-                if t >= cutoff:
+                if t > last_stale:
                     break
                 if w in fixed:
                     continue
+                hz = horizons.get(w)
+                if t >= cutoff and (hz is None or hz.holds(t, k - 1)):
+                    continue  # fresh here, so at every shallower block too
                 lo, hi = 0, k - 1  # bisect its deepest fresh block: the fresh length is in [lo, hi]
                 while lo < hi:
                     mid = (lo + hi + 1) // 2
-                    if get(block_hashes[mid - 1], {}).get(w, cutoff - 1) >= cutoff:
+                    u = get(block_hashes[mid - 1], {}).get(w, cutoff - 1)
+                    if u >= cutoff and (hz is None or hz.holds(u, mid - 1)):
                         lo = mid
                     else:
                         hi = mid - 1
@@ -294,6 +424,8 @@ class PrefixIndex:
                     dead.append(h)
         for h in dead:
             del self._entries[h]
+        if self._horizon.pop(worker, None) is not None:
+            self._max_evicted_before = max((h.stale_from for h in self._horizon.values()), default=_NEVER)
         hot, fresh = self._hot.pop(worker, None), self._fresh.pop(worker, None)
         if hot or (fresh is not None and fresh.n):
             self._changed.add(worker)

@@ -168,6 +168,7 @@ class RouterCore:
                     self.ledger.on_report(name, rec.metrics_at)
                 base = base_view(rec, self.prefix.hot_blocks(name), self.prefix.reused_blocks(name))
                 self._base[name] = base
+                self._set_capacity(base)
                 self._update_view(self.ledger.apply(base))
                 self.ledger.set_remote(name, rec.in_flight_by_replica)
                 continue
@@ -182,9 +183,18 @@ class RouterCore:
                 base = base_view(rec, self.prefix.hot_blocks(target), self.prefix.reused_blocks(target), rank,
                                  by_rank.get(rank))
                 self._base[target] = base
+                self._set_capacity(base)
                 self._update_view(self.ledger.apply(base))
                 self.ledger.set_remote(target, {rep: c // n + (rank < c % n) for rep, c in rec.in_flight_by_replica.items()
                                                 if c // n + (rank < c % n)})
+
+    def _set_capacity(self, view: WorkerView) -> None:
+        """The approximate index's idea of how much of `view`'s prefixes its cache keeps: the share
+        `prefix_index.cache_share` of its reported KV pool, in router blocks (unknown before its
+        first report)."""
+        tokens = view.kv_total_blocks * view.page_size
+        share = self.config.prefix_index.cache_share
+        self.prefix.set_capacity(view.name, int(tokens * share) // self.config.block_size if tokens and share else None)
 
     def _drop_target(self, target: str) -> None:
         self._base.pop(target, None)

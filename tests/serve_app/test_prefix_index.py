@@ -305,3 +305,116 @@ def test_only_stale_holders_lose_their_overlap_whatever_order_they_were_refreshe
     ix.record("a", p[:3])  # a refreshes its first 3 blocks: fresh there, stale deeper
     clock.t += 2.5  # now 11.5: cutoff 1.5 → b (1) stale, c (2) and d (3) fresh
     assert ix.overlap(p) == {"a": 3, "c": 8, "d": 8}
+
+
+# -- a worker's bounded cache: what was sent there long enough ago is evicted --------------------
+
+
+def test_a_prefix_is_trimmed_from_its_leaves_then_forgotten_as_newer_blocks_fill_the_cache():
+    clock = Clock()
+    ix = PrefixIndex(clock=clock)  # ttl 120 s: age alone forgets nothing here
+    ix.set_capacity("a", 100)
+    ix.set_capacity("b", 100)
+    old = chain("old", 40)
+    ix.record("a", old)
+    ix.record("b", old)
+    for i in range(6):  # 60 newer blocks on a: with `old`, exactly the 100 it can keep
+        clock.t += 1
+        ix.record("a", chain(f"n{i}", 10))
+    assert ix.overlap(old) == {"a": 40, "b": 40}
+    clock.t += 1
+    ix.record("a", chain("n6", 10))  # 110: the LRU cache drops the 10 least recently used — old's leaves
+    assert ix.overlap(old) == {"a": 30, "b": 40}
+    assert ix.evicted_before("a") == float("-inf")
+    for i in range(7, 10):
+        clock.t += 1
+        ix.record("a", chain(f"n{i}", 10))  # 30 more: the rest of old
+    assert ix.overlap(old) == {"b": 40}
+    assert ix.evicted_before("a") == 0.0 and ix.evicted_before("b") == float("-inf")
+    assert ix.overlap(chain("n0", 10)) == {"a": 10}  # the next oldest still fits
+
+
+def test_blocks_reused_since_stay_and_take_room_only_once():
+    clock = Clock()
+    ix = PrefixIndex(clock=clock)
+    ix.set_capacity("a", 50)
+    system = chain("sys", 20)
+    ix.record("a", system)
+
+    def prompt(i: int) -> list[int]:
+        return system + [hash(("tail", i, j)) for j in range(5)]
+
+    for i in range(10):  # every prompt reuses the system prompt: 20 blocks held once, 5 new each
+        clock.t += 1
+        ix.record("a", prompt(i))
+    assert ix.overlap(system) == {"a": 20}
+    # 20 + 6 tails of 5 = 50 fit: the last six prompts' tails are held, the first four's are not
+    assert [ix.overlap(prompt(i))["a"] for i in range(10)] == [20] * 4 + [25] * 6
+
+
+def test_a_prompt_sent_back_after_its_eviction_takes_room_again():
+    clock = Clock()
+    ix = PrefixIndex(clock=clock)
+    ix.set_capacity("a", 30)
+    p, q = chain("p", 20), chain("q", 30)
+    ix.record("a", p)
+    clock.t = 1
+    ix.record("a", q)  # 50 blocks for 30: p, the oldest, is out
+    assert ix.overlap(p) == {} and ix.overlap(q) == {"a": 30}
+    clock.t = 2
+    ix.record("a", p)  # prefilled again: q, now the oldest, keeps its first 10 blocks
+    assert ix.overlap(p) == {"a": 20} and ix.overlap(q) == {"a": 10}
+    clock.t = 3
+    ix.record("a", chain("r", 10))
+    assert ix.overlap(p) == {"a": 20} and ix.overlap(q) == {}
+
+
+def test_the_index_follows_a_simulated_lru_cache_on_random_traffic():
+    """Against the engine's radix cache as an LRU cache of blocks (a prompt's blocks all used at
+    once, its root last, so the deepest go first): what the index claims a worker holds is what an
+    LRU cache of its capacity holds (prompts drawn from a few shared prefixes, so reuse, trimming
+    and whole evictions all happen)."""
+    from collections import OrderedDict
+    from itertools import takewhile
+
+    rng = random.Random(11)
+    clock = Clock()
+    cap = 120
+    ix = PrefixIndex(clock=clock)
+    ix.set_capacity("a", cap)
+    lru: OrderedDict[int, None] = OrderedDict()
+    roots = [chain(f"r{i}", 40) for i in range(6)]
+    prompts = [roots[i % 6][: rng.randrange(5, 30)] + chain(f"p{i}", rng.randrange(0, 15)) for i in range(40)]
+    checked = 0
+    for _ in range(600):
+        clock.t += 1
+        p = prompts[rng.randrange(len(prompts))]
+        for h in reversed(p):
+            lru[h] = None
+            lru.move_to_end(h)
+        while len(lru) > cap:
+            lru.popitem(last=False)
+        ix.record("a", p)
+        for q in prompts:
+            claimed = ix.overlap(q).get("a", 0)
+            assert claimed == sum(1 for _ in takewhile(lru.__contains__, q)), q
+            checked += 0 < claimed < len(q)
+    assert checked > 1000  # partly held prompts were compared, not only whole or empty ones
+
+
+def test_without_a_capacity_only_age_forgets_and_a_cleared_capacity_stops_counting():
+    clock = Clock()
+    ix = PrefixIndex(clock=clock)
+    old = chain("old", 10)
+    ix.record("a", old)
+    for i in range(50):
+        clock.t += 0.1
+        ix.record("a", chain(f"n{i}", 100))
+    assert ix.overlap(old) == {"a": 10}  # no capacity known: 5,000 blocks later it is still claimed
+    ix.set_capacity("a", 10)
+    ix.set_capacity("a", None)  # unknown again (e.g. a report without the pool size)
+    clock.t += 1
+    ix.record("a", chain("m", 100))
+    assert ix.overlap(old) == {"a": 10}
+    clock.t += 200  # ttl_s still applies
+    assert ix.overlap(old) == {}
