@@ -256,7 +256,7 @@ class Result:
     per_worker: dict[str, int]
     parts: list[dict[str, float]] = field(default_factory=list)  # per measured request, as `ttft`
     served_by: list[str] = field(default_factory=list)  # per measured request, as `ttft`
-    believed: int = 0  # kvroute policies: Σ prompt blocks the router believed cached where it sent them
+    believed: int = 0  # kvroute policies: Σ prompt blocks the ledger counted as cached where they went
     blocks: int = 0  # … of Σ router blocks of those prompts (believed / blocks vs cached / prompt)
 
     def summary(self) -> dict[str, float]:
@@ -415,8 +415,9 @@ def run(workload: str, rate: float, duration_s: float, policy: str, *, seed: int
                     continue
                 d, facts = core.decide(facts)
                 name = d.worker
-                if s.start_s >= warmup_s:  # (before on_routed: overlap reads the index's live holder sets)
-                    res.believed += facts.overlap.get(name, 0)
+                if s.start_s >= warmup_s:  # what the ledger is charged (before on_routed records it)
+                    ov = facts.overlap.get(name, 0)
+                    res.believed += min(ov, core.prefix.held_blocks(name, facts.block_hashes)) if ov else 0
                     res.blocks += facts.prompt_blocks
                 core.on_routed(rid, facts, name)
                 if adm.config.enabled:

@@ -123,9 +123,11 @@ class PrefixIndexConfig(BaseModel):
     )
     cache_share: float = Field(
         1.0, ge=0, le=4,
-        description="approximate index: the share of a worker's reported KV pool taken to hold cached "
-        "prefixes; a block counts as evicted there once more new blocks than that were sent after its "
-        "last use (the engine evicts least recently used first). 0: entries age by ttl_s only",
+        description="approximate index: each worker's cache is followed as an LRU cache of this share of "
+        "the KV pool it reports (kv_total_blocks × page_size tokens, in router blocks of block_size × "
+        "request_facts.chars_per_token characters; above 1 when the tokenizer has more characters per "
+        "token than that estimate); prompts beyond it are trimmed from their deepest block, oldest first, "
+        "and no longer claimed. 0: entries age by ttl_s only",
     )
     max_blocks_per_source: int = Field(
         _default_of(KvEventIndex.__init__, "max_blocks_per_source"), ge=1,

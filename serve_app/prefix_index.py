@@ -200,11 +200,6 @@ class _Horizon:
             live[t] = n - excess
             self.held -= excess
 
-    @property
-    def stale_from(self) -> float:
-        """No block used after this time is evicted."""
-        return self.trim_at if self.trim_at > self.before else self.before
-
 
 class PrefixIndex:
     """Approximate prefix index of one router replica: block hash → {worker: last use}.
@@ -259,7 +254,6 @@ class PrefixIndex:
         self._changed: set[str] = set()
         # worker → its capacity horizon (`_Horizon`): blocks last used before its `before` are evicted
         self._horizon: dict[str, _Horizon] = {}
-        self._max_evicted_before = _NEVER  # the latest `stale_from` of them
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -376,8 +370,6 @@ class PrefixIndex:
             if run_hi >= 0:
                 horizon.release(run_at, run_lo, run_hi)
             horizon.add(now, len(block_hashes), len(block_hashes))
-            if horizon.stale_from > self._max_evicted_before:
-                self._max_evicted_before = horizon.stale_from
         self._evict(now)
 
     def overlap(self, block_hashes: Sequence[int], now: float | None = None) -> Overlap:
@@ -389,30 +381,44 @@ class PrefixIndex:
         get = self._entries.get
         tiers = _tiers(len(block_hashes), lambda i: get(block_hashes[i]))
         fixed: dict[str, int] = {}
-        horizons = self._horizon
-        last_stale = max(cutoff, self._max_evicted_before)
         # use times only decrease along a prompt, so a worker is stale somewhere iff it is stale at
         # its deepest block; holders are ordered by last use, so the stale ones of a block lead its
         # set. Deepest tier first: a worker's first stale sighting is at its deepest block.
         for k, e in reversed(tiers):
             for w, t in e.items():
-                if t > last_stale:
+                if t >= cutoff:
                     break
                 if w in fixed:
                     continue
-                hz = horizons.get(w)
-                if t >= cutoff and (hz is None or hz.holds(t, k - 1)):
-                    continue  # fresh here, so at every shallower block too
                 lo, hi = 0, k - 1  # bisect its deepest fresh block: the fresh length is in [lo, hi]
                 while lo < hi:
                     mid = (lo + hi + 1) // 2
-                    u = get(block_hashes[mid - 1], {}).get(w, cutoff - 1)
-                    if u >= cutoff and (hz is None or hz.holds(u, mid - 1)):
+                    if get(block_hashes[mid - 1], {}).get(w, cutoff - 1) >= cutoff:
                         lo = mid
                     else:
                         hi = mid - 1
                 fixed[w] = lo
         return Overlap(tiers, fixed) if fixed else Overlap(tiers)
+
+    def held_blocks(self, worker: str, block_hashes: Sequence[int], now: float | None = None) -> int:
+        """How many leading blocks of this prompt `worker` can still hold: `overlap`'s claim for it,
+        less what newer blocks have pushed out of its cache since (`set_capacity`). O(log blocks)."""
+        if not block_hashes:
+            return 0
+        now = self._clock() if now is None else now
+        hz = self._horizon.get(worker)
+        cutoff = now - self.ttl_s
+        get = self._entries.get
+        lo, hi = 0, len(block_hashes)  # held use times only decrease along a prompt: bisect
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            e = get(block_hashes[mid - 1])
+            t = e.get(worker) if e is not None else None
+            if t is not None and t >= cutoff and (hz is None or hz.holds(t, mid - 1)):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def remove_worker(self, worker: str) -> None:
         """Forget everything about `worker` (left the fleet, or down: its cache is gone). O(entries)."""
@@ -424,8 +430,7 @@ class PrefixIndex:
                     dead.append(h)
         for h in dead:
             del self._entries[h]
-        if self._horizon.pop(worker, None) is not None:
-            self._max_evicted_before = max((h.stale_from for h in self._horizon.values()), default=_NEVER)
+        self._horizon.pop(worker, None)
         hot, fresh = self._hot.pop(worker, None), self._fresh.pop(worker, None)
         if hot or (fresh is not None and fresh.n):
             self._changed.add(worker)

@@ -439,6 +439,15 @@ class RouterCore:
             overlap = overlap.override({t: exact.get(t, 0) for w in synced for t in self.targets(w)})
         return overlap
 
+    def _exact_for(self, target: str) -> bool:
+        """Whether `target`'s overlap comes from the engine's KV events (exact mode), not from the
+        router's record of what it sent."""
+        synced = self.kv_follower.synced if self.kv_follower is not None else ()
+        if not synced:
+            return False
+        base = self._base.get(target)
+        return (base.worker or target if base is not None else target) in synced
+
     def _log_decision(self, request: RouteRequest, decision: Decision, workers: Any) -> None:
         now = self._clock()
         recs = self.follower.workers
@@ -458,9 +467,13 @@ class RouterCore:
         `Decision.target` names it): count it in flight and index its prompt there
         (now, not when the worker answers: a long prefill would otherwise let the next requests
         with the same prefix miss it). A failed attempt leaves a stale entry that ages out."""
-        self.ledger.on_routed(request_id, worker, request.prompt_blocks, request.overlap.get(worker, 0))
-        if request.block_hashes:
-            self.prefix.record(worker, self._prefix_keys(request.block_hashes, model))
+        cached = request.overlap.get(worker, 0)
+        keys = self._prefix_keys(request.block_hashes, model) if request.block_hashes else ()
+        if cached and keys and not self._exact_for(worker):  # what its cache can still hold
+            cached = min(cached, self.prefix.held_blocks(worker, keys))
+        self.ledger.on_routed(request_id, worker, request.prompt_blocks, cached)
+        if keys:
+            self.prefix.record(worker, keys)
 
     def should_hold(self, request: RouteRequest, policy_name: str | None = None,
                     exclude: set[str] | frozenset[str] = frozenset(), model: str | None = None) -> bool:

@@ -123,19 +123,20 @@ def test_on_the_standard_mooncake_cell_kv_aware_does_not_stack_bursts_into_one_p
     assert kv.breakdown(0.4, 0.6)["cobatch"] < rr.breakdown(0.4, 0.6)["cobatch"] * 1.1
 
 
-def test_on_the_mooncake_replay_the_router_believes_cached_about_what_the_engines_hold():
+def test_on_the_mooncake_replay_the_router_charges_prefill_for_what_the_engines_evicted():
     """The approximate index follows each worker's cache as an LRU cache of its reported KV pool
-    (`PrefixIndex.set_capacity`). Before, it claimed whatever it had sent anywhere within ttl_s
-    (120 s): on this replay it believed ~4× the prompt share the engines had cached, sent prompts
-    back to workers that had long evicted their prefixes, charged their full prefill as small and
-    stacked the next requests behind it (bench/results/standard-mooncake-7.md)."""
+    (`PrefixIndex.set_capacity`), and the ledger charges a worker the prefill of whatever that
+    cache can no longer hold. Before, everything sent there within ttl_s (120 s) counted as
+    cached: on this replay ~3× the prompt share the engines really had cached, so a prompt whose
+    prefix was long evicted counted as a small prefill and the next requests stacked behind it
+    (bench/results/standard-mooncake-7.md)."""
     from bench import routesim
 
-    def belief_over_hit(**prefix_index: float) -> float:
+    def charged_over_hit(**prefix_index: float) -> float:
         res = routesim.run("mooncake", 20.0, 30.0, "kv_aware", warmup_s=3.0,
                            router={"prefix_index": prefix_index} if prefix_index else None)
         assert res.requests > 400 and res.cached > 0
         return (res.believed / res.blocks) / (res.cached / res.prompt)
 
-    assert belief_over_hit() < 1.5
-    assert belief_over_hit(cache_share=0) > 2.5  # the old index (ttl only): this test would have caught it
+    assert charged_over_hit() < 1.5
+    assert charged_over_hit(cache_share=0) > 2.5  # the old index (ttl only): this test would have caught it

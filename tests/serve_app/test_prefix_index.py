@@ -310,6 +310,11 @@ def test_only_stale_holders_lose_their_overlap_whatever_order_they_were_refreshe
 # -- a worker's bounded cache: what was sent there long enough ago is evicted --------------------
 
 
+def held(ix: PrefixIndex, prompt: list[int]) -> dict[str, int]:
+    """`held_blocks` of every worker `overlap` names (those holding none left out)."""
+    return {w: n for w in ix.overlap(prompt) if (n := ix.held_blocks(w, prompt))}
+
+
 def test_a_prefix_is_trimmed_from_its_leaves_then_forgotten_as_newer_blocks_fill_the_cache():
     clock = Clock()
     ix = PrefixIndex(clock=clock)  # ttl 120 s: age alone forgets nothing here
@@ -321,17 +326,18 @@ def test_a_prefix_is_trimmed_from_its_leaves_then_forgotten_as_newer_blocks_fill
     for i in range(6):  # 60 newer blocks on a: with `old`, exactly the 100 it can keep
         clock.t += 1
         ix.record("a", chain(f"n{i}", 10))
-    assert ix.overlap(old) == {"a": 40, "b": 40}
+    assert held(ix, old) == {"a": 40, "b": 40}
     clock.t += 1
     ix.record("a", chain("n6", 10))  # 110: the LRU cache drops the 10 least recently used — old's leaves
-    assert ix.overlap(old) == {"a": 30, "b": 40}
+    assert held(ix, old) == {"a": 30, "b": 40}
     assert ix.evicted_before("a") == float("-inf")
     for i in range(7, 10):
         clock.t += 1
         ix.record("a", chain(f"n{i}", 10))  # 30 more: the rest of old
-    assert ix.overlap(old) == {"b": 40}
+    assert held(ix, old) == {"b": 40}
+    assert ix.overlap(old) == {"a": 40, "b": 40}  # the claim that picks a worker keeps to ttl_s
     assert ix.evicted_before("a") == 0.0 and ix.evicted_before("b") == float("-inf")
-    assert ix.overlap(chain("n0", 10)) == {"a": 10}  # the next oldest still fits
+    assert held(ix, chain("n0", 10)) == {"a": 10}  # the next oldest still fits
 
 
 def test_blocks_reused_since_stay_and_take_room_only_once():
@@ -347,9 +353,9 @@ def test_blocks_reused_since_stay_and_take_room_only_once():
     for i in range(10):  # every prompt reuses the system prompt: 20 blocks held once, 5 new each
         clock.t += 1
         ix.record("a", prompt(i))
-    assert ix.overlap(system) == {"a": 20}
+    assert held(ix, system) == {"a": 20}
     # 20 + 6 tails of 5 = 50 fit: the last six prompts' tails are held, the first four's are not
-    assert [ix.overlap(prompt(i))["a"] for i in range(10)] == [20] * 4 + [25] * 6
+    assert [held(ix, prompt(i))["a"] for i in range(10)] == [20] * 4 + [25] * 6
 
 
 def test_a_prompt_sent_back_after_its_eviction_takes_room_again():
@@ -360,13 +366,13 @@ def test_a_prompt_sent_back_after_its_eviction_takes_room_again():
     ix.record("a", p)
     clock.t = 1
     ix.record("a", q)  # 50 blocks for 30: p, the oldest, is out
-    assert ix.overlap(p) == {} and ix.overlap(q) == {"a": 30}
+    assert held(ix, p) == {} and held(ix, q) == {"a": 30}
     clock.t = 2
     ix.record("a", p)  # prefilled again: q, now the oldest, keeps its first 10 blocks
-    assert ix.overlap(p) == {"a": 20} and ix.overlap(q) == {"a": 10}
+    assert held(ix, p) == {"a": 20} and held(ix, q) == {"a": 10}
     clock.t = 3
     ix.record("a", chain("r", 10))
-    assert ix.overlap(p) == {"a": 20} and ix.overlap(q) == {}
+    assert held(ix, p) == {"a": 20} and held(ix, q) == {}
 
 
 def test_the_index_follows_a_simulated_lru_cache_on_random_traffic():
@@ -396,7 +402,7 @@ def test_the_index_follows_a_simulated_lru_cache_on_random_traffic():
             lru.popitem(last=False)
         ix.record("a", p)
         for q in prompts:
-            claimed = ix.overlap(q).get("a", 0)
+            claimed = ix.held_blocks("a", q)
             assert claimed == sum(1 for _ in takewhile(lru.__contains__, q)), q
             checked += 0 < claimed < len(q)
     assert checked > 1000  # partly held prompts were compared, not only whole or empty ones
@@ -410,11 +416,11 @@ def test_without_a_capacity_only_age_forgets_and_a_cleared_capacity_stops_counti
     for i in range(50):
         clock.t += 0.1
         ix.record("a", chain(f"n{i}", 100))
-    assert ix.overlap(old) == {"a": 10}  # no capacity known: 5,000 blocks later it is still claimed
+    assert held(ix, old) == {"a": 10}  # no capacity known: 5,000 blocks later it is still claimed
     ix.set_capacity("a", 10)
     ix.set_capacity("a", None)  # unknown again (e.g. a report without the pool size)
     clock.t += 1
     ix.record("a", chain("m", 100))
-    assert ix.overlap(old) == {"a": 10}
+    assert held(ix, old) == {"a": 10}
     clock.t += 200  # ttl_s still applies
-    assert ix.overlap(old) == {}
+    assert held(ix, old) == {}
