@@ -126,8 +126,8 @@ class PrefixIndexConfig(BaseModel):
         description="approximate index: each worker's cache is followed as an LRU cache of this share of "
         "the KV pool it reports (kv_total_blocks × page_size tokens, in router blocks of block_size × "
         "request_facts.chars_per_token characters; above 1 when the tokenizer has more characters per "
-        "token than that estimate); prompts beyond it are trimmed from their deepest block, oldest first, "
-        "and no longer claimed. 0: entries age by ttl_s only",
+        "token than that estimate); what newer prompts pushed out (deepest blocks first, oldest first) "
+        "is charged to the worker as prefill again. 0: entries age by ttl_s only",
     )
     max_blocks_per_source: int = Field(
         _default_of(KvEventIndex.__init__, "max_blocks_per_source"), ge=1,

@@ -219,11 +219,13 @@ class PrefixIndex:
     A worker's cache is bounded, so what was sent there long enough ago is gone whatever `ttl_s`
     says. Given a worker's capacity (`set_capacity`: the blocks its KV pool can keep — the router
     sets it from the pool size the worker reports), the index follows that cache as an LRU cache
-    (`_Horizon`) and `overlap` claims only what it can still hold. Without that, a prompt whose
-    prefix the worker evicted long ago looks cached there: kv_aware sends it back, counts its
-    prefill as small, and stacks the next requests behind what is in fact a full prefill — on the
-    Mooncake replay the index believed 4× the tokens the engines had cached
-    (bench/results/standard-mooncake-7.md).
+    (`_Horizon`), and `held_blocks(worker, prompt)` says how much of a prompt it can still hold:
+    what the router charges that worker's prefill with. `overlap` keeps the longer, ttl-only claim
+    for choosing a worker (an engine trims an old prefix from its leaves, so its first blocks may
+    still hit there; steering by the bounded claim cost p99 and hit rate live). Without the
+    bound, a prompt whose prefix the worker evicted long ago counted as a small prefill there and
+    the next requests stacked up behind a full one — on the Mooncake replay the index claimed
+    ~4× the tokens the engines had cached (bench/results/standard-mooncake-7.md).
     """
 
     def __init__(
