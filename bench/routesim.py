@@ -422,6 +422,7 @@ def run(workload: str, rate: float, duration_s: float, policy: str, *, seed: int
                 core.on_routed(rid, facts, name)
                 if adm.config.enabled:
                     adm.dispatched(name)
+                    core.wake_held()
             ids = tokenizer.apply_chat_template(msgs)
             measured = s.start_s >= warmup_s
             info[rid] = {"sent": now if held_since is None else held_since, "session": s, "turn": turn, "worker": name, "measured": measured,

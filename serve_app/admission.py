@@ -84,6 +84,11 @@ class Admission:
             return True
         if self._busy == 0:
             return False
+        return self.all_busy(targets)
+
+    def all_busy(self, targets: Iterable[tuple[str, bool]]) -> bool:
+        """Whether every routable target of `targets` ((name, routable) pairs) has `max_prefilling`
+        streamed requests before their first token (False when none is routable)."""
         cap, counts = self.config.max_prefilling, self.prefilling
         seen = False
         for name, routable in targets:

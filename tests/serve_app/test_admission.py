@@ -119,6 +119,32 @@ def test_the_router_holds_a_big_cold_prompt_but_not_a_cached_one_and_counts_stre
     assert core.admission.prefilling == {} and plain.worker
 
 
+def test_a_woken_request_routed_elsewhere_wakes_the_next_while_a_worker_is_free():
+    """A held request is woken when a worker frees up, but the policy may send it to another one;
+    the next held request must not then wait for another first token beside the free worker."""
+    async def main() -> None:
+        core, clock = make_core(3, admission={"max_prefilling": 2})
+        tickets = [core.route(core.facts(chat(f"Document number {i}. " * 400, "q")), streamed=True)
+                   for i in range(6)]
+        assert sorted(core.admission.prefilling.values()) == [2, 2, 2]
+        cold = [core.facts(chat(f"A different long text {i}. " * 800, "?")) for i in range(2)]
+        assert core.should_hold(cold[0])
+        first, second = (asyncio.create_task(core.admission.hold()) for _ in range(2))
+        await asyncio.sleep(0.01)
+        freed = tickets[0].worker
+        tickets[0].first_token()  # `freed` goes 2 → 1: one waiter wakes
+        await asyncio.sleep(0.01)
+        assert first.done() and not second.done()
+        elsewhere = {t.worker for t in tickets} - {freed}
+        # the policy sends the woken one to another worker (there: 3 prefilling); `freed` stays at 1
+        core.route(cold[0], streamed=True, exclude={freed})
+        assert core.admission.prefilling[freed] == 1 and elsewhere
+        await asyncio.wait_for(second, 1.0)  # woken at once, not after max_wait_s
+        assert core.admission.timed_out == 0
+
+    asyncio.run(main())
+
+
 def test_a_worker_that_leaves_is_forgotten_and_a_new_one_releases_a_held_request():
     async def main() -> None:
         core, clock = make_core(1)
