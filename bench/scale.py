@@ -208,6 +208,7 @@ class FollowerHost:
         self.base, self.settings = base, settings
         self.follower: Any = None
         self.lat_ms: list[float] = []
+        self.seen: list[tuple[str, int, int]] = []
         self.last_sent: dict[str, int] = {}
         self.started_at = 0.0
         self.full_at: float | None = None
@@ -238,6 +239,8 @@ class FollowerHost:
                 self.last_sent[name] = sent
                 if len(self.lat_ms) < 500_000:
                     self.lat_ms.append((now_us - sent) / 1e3)
+                    if len(changed) <= 64:  # small fleets only (--real-actors): view ages
+                        self.seen.append((name, int(now_us), sent))
         if self.full_at is None and len(workers) >= self.expect:
             self.full_at = time.monotonic()
 
@@ -249,8 +252,9 @@ class FollowerHost:
         f = self.follower
         out = FollowerTake(updates=f.updates if f else 0, lat_ms=self.lat_ms, bytes=f.bytes_received if f else 0,
                            frames=f.frames_received if f else 0, workers=len(f.workers) if f else 0,
-                           resyncs=f.resyncs if f else 0)
+                           resyncs=f.resyncs if f else 0, seen=self.seen)
         self.lat_ms = []
+        self.seen = []
         return out
 
     async def stop(self) -> None:
@@ -272,6 +276,29 @@ def _cpu_s(pid: int) -> float:
         return t.user + t.system
     except psutil.Error:
         return 0.0
+
+
+def _view_ages_ms(seen: list[tuple[str, int, int]], t0_us: float, t1_us: float, step_us: int = 1000) -> list[float]:
+    """The age of each worker's visible value (now − when the engine sent it) every `step_us` over
+    [`t0_us`, `t1_us`): freshness as a router reading at a random moment sees it, which a longer
+    coalescing window worsens even where "sent → visible" (the `lat_ms` samples, newest values only)
+    does not."""
+    by: dict[str, list[tuple[int, int]]] = {}
+    for name, at, sent in seen:
+        by.setdefault(name, []).append((at, sent))
+    ages: list[float] = []
+    for ups in by.values():
+        ups.sort()
+        k, sent = 0, None
+        t = int(t0_us)
+        while t < t1_us:
+            while k < len(ups) and ups[k][0] <= t:
+                sent = ups[k][1]
+                k += 1
+            if sent is not None:
+                ages.append((t - sent) / 1e3)
+            t += step_us
+    return ages
 
 
 def _thread_cpu_s(pid: int) -> dict[str, float]:
@@ -501,6 +528,7 @@ def real_actors(k: int, seconds: float, frame_hz: float = 0.0, profile: str | No
     probes0 = ray.get(hosting_actor.host_stats.remote()).health_probes if hosting_actor else 0
     frames0 = ray.get(agg.stats.remote()).host_frames
     took0 = ray.get(host.take.remote())  # freshness samples from the window only
+    w0_us = (time.time() - base) * 1e6
     threads = [agg_pid, hpid, bpids[0]]
     t_0 = {p: _thread_cpu_s(p) for p in threads}
     c0 = {p: _cpu_s(p) for p in [*wpids, *bpids, agg_pid, hpid]}
@@ -509,7 +537,9 @@ def real_actors(k: int, seconds: float, frame_hz: float = 0.0, profile: str | No
     dt = time.monotonic() - t0
     c1 = {p: _cpu_s(p) for p in c0}
     t_1 = {p: _thread_cpu_s(p) for p in threads}
+    w1_us = (time.time() - base) * 1e6
     took = ray.get(host.take.remote())
+    view = _view_ages_ms(took0.seen + took.seen, w0_us + 200_000, w1_us)  # (a 200 ms margin: every worker seen)
     probes1 = ray.get(hosting_actor.host_stats.remote()).health_probes if hosting_actor else 0
     a1 = ray.get(agg.stats.remote())
     frames1 = a1.host_frames
@@ -521,7 +551,8 @@ def real_actors(k: int, seconds: float, frame_hz: float = 0.0, profile: str | No
            "bare_actor": statistics.mean(pct[p] for p in bpids),
            "aggregator": pct[agg_pid], "follower": pct[hpid], "processes": len(wpids),
            "frames_s": (frames1 - frames0) / dt, "window_ms": 1e3 * a1.host_window_s, "probes_s": (probes1 - probes0) / dt if hosting_actor else None,
-           "deltas_s": (took.updates - took0.updates) / dt, "p50": _q(took.lat_ms, 50), "p99": _q(took.lat_ms, 99), "samples": len(took.lat_ms),
+           "deltas_s": (took.updates - took0.updates) / dt, "p50": _q(took.lat_ms, 50),
+           "view_p50": _q(view, 50), "view_p99": _q(view, 99), "view_mean": statistics.mean(view) if view else float("nan"), "p99": _q(took.lat_ms, 99), "samples": len(took.lat_ms),
            "threads": {name: _thread_split(t_0[p], t_1[p], dt) for name, p in
                        (("aggregator", agg_pid), ("follower", hpid), ("bare", bpids[0]))}}
     ray.get(host.stop.remote())
@@ -614,7 +645,9 @@ def main() -> int:
                   f"{plane:.1f} ({plane - (m + 2) * r['bare_actor']:.1f} above {m + 2} actor floors){extra}", flush=True)
             if ns.frame_hz:
                 print(f"  freshness (SGLang frame sent → value in the follower's workers) p50 / p99 "
-                      f"{r['p50']:.1f} / {r['p99']:.1f} ms over {r['samples']} values; follower deltas "
+                      f"{r['p50']:.1f} / {r['p99']:.1f} ms over {r['samples']} values; the router's view age "
+                      f"(now − sent of the value it holds, every ms) p50 / p99 {r['view_p50']:.1f} / {r['view_p99']:.1f}, "
+                      f"mean {r['view_mean']:.1f} ms; follower deltas "
                       f"{r['deltas_s']:.1f}/s", flush=True)
             for who, split in r["threads"].items():
                 print(f"  {who} threads, % of one core: " + ", ".join(f"{k} {v:.2f}" for k, v in split.items()),
