@@ -29,11 +29,12 @@ class SocketWatch:
                  loop: asyncio.AbstractEventLoop | None = None, *, exhaustive: bool = False) -> None:
         self._sock = sock
         self._drain = drain
-        # exhaustive: `drain()` returns False only after a receive raised `zmq.Again` (it never stops
-        # early without saying so). That receive already processed the socket's pending commands —
-        # what an `EVENTS` check does — so none is made before or after it: on this VM the first
+        # exhaustive: `drain()` returns False only once the socket showed nothing waiting — a receive
+        # raised `zmq.Again`, or its own `EVENTS` check lacked POLLIN (it never stops early without
+        # saying so). That call already processed the socket's pending commands, which is all an
+        # `EVENTS` check here would do, so none is made before or after it: on this VM the first
         # touch of anything after a pause costs ~10x (bench/results/scale.md), and each libzmq call
-        # saved is ~10-40 µs per wake-up.
+        # saved is ~10-40 µs per wake-up. A drain that raises gets the `EVENTS` check as before.
         self._exhaustive = exhaustive
         self._loop = loop or asyncio.get_running_loop()
         self._fd = sock.getsockopt(zmq.FD)
