@@ -129,7 +129,7 @@ class HostPipe(PushWindow):
     def _watch(self, slot: _Slot) -> None:
         if slot.raw is None:
             return
-        slot.watch = SocketWatch(slot.raw, lambda: self._drain(slot))
+        slot.watch = SocketWatch(slot.raw, lambda: self._drain(slot), exhaustive=True)
         if self._timer is not None:  # inside a window: frames wait for its end
             slot.watch.pause()
 

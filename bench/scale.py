@@ -208,6 +208,7 @@ class FollowerHost:
         self.base, self.settings = base, settings
         self.follower: Any = None
         self.lat_ms: list[float] = []
+        self.seen: list[tuple[str, int, int]] = []
         self.last_sent: dict[str, int] = {}
         self.started_at = 0.0
         self.full_at: float | None = None
@@ -238,6 +239,8 @@ class FollowerHost:
                 self.last_sent[name] = sent
                 if len(self.lat_ms) < 500_000:
                     self.lat_ms.append((now_us - sent) / 1e3)
+                    if len(changed) <= 64:  # small fleets only (--real-actors): view ages
+                        self.seen.append((name, int(now_us), sent))
         if self.full_at is None and len(workers) >= self.expect:
             self.full_at = time.monotonic()
 
@@ -249,8 +252,9 @@ class FollowerHost:
         f = self.follower
         out = FollowerTake(updates=f.updates if f else 0, lat_ms=self.lat_ms, bytes=f.bytes_received if f else 0,
                            frames=f.frames_received if f else 0, workers=len(f.workers) if f else 0,
-                           resyncs=f.resyncs if f else 0)
+                           resyncs=f.resyncs if f else 0, seen=self.seen)
         self.lat_ms = []
+        self.seen = []
         return out
 
     async def stop(self) -> None:
@@ -272,6 +276,62 @@ def _cpu_s(pid: int) -> float:
         return t.user + t.system
     except psutil.Error:
         return 0.0
+
+
+def _view_ages_ms(seen: list[tuple[str, int, int]], t0_us: float, t1_us: float, step_us: int = 1000) -> list[float]:
+    """The age of each worker's visible value (now − when the engine sent it) every `step_us` over
+    [`t0_us`, `t1_us`): freshness as a router reading at a random moment sees it, which a longer
+    coalescing window worsens even where "sent → visible" (the `lat_ms` samples, newest values only)
+    does not."""
+    by: dict[str, list[tuple[int, int]]] = {}
+    for name, at, sent in seen:
+        by.setdefault(name, []).append((at, sent))
+    ages: list[float] = []
+    for ups in by.values():
+        ups.sort()
+        k, sent = 0, None
+        t = int(t0_us)
+        while t < t1_us:
+            while k < len(ups) and ups[k][0] <= t:
+                sent = ups[k][1]
+                k += 1
+            if sent is not None:
+                ages.append((t - sent) / 1e3)
+            t += step_us
+    return ages
+
+
+def _thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds of each thread of `pid`, keyed "name/tid" (`/proc/PID/task/TID/stat`)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                raw = f.read()
+        except OSError:
+            continue
+        name = raw[raw.index("(") + 1:raw.rindex(")")]
+        fields = raw[raw.rindex(")") + 2:].split()
+        out[f"{name}/{tid}"] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return out
+
+
+def _thread_split(before: dict[str, float], after: dict[str, float], dt: float) -> dict[str, float]:
+    """% of one core per thread over `dt`, the busiest first, threads under 0.05 % summed as "rest"
+    (the thread's tid is dropped; the process's main thread is named like the process)."""
+    pct = {k: 100 * (after[k] - before.get(k, 0.0)) / dt for k in after}
+    out: dict[str, float] = {}
+    for k, v in sorted(pct.items(), key=lambda kv: -kv[1]):
+        name = k.rsplit("/", 1)[0] if v >= 0.05 else "rest"
+        while name in out and name != "rest":
+            name += "'"
+        out[name] = out.get(name, 0.0) + v
+    return out
 
 
 def _q(xs: list[float], p: int) -> float:
@@ -429,7 +489,8 @@ def real_actors(k: int, seconds: float, frame_hz: float = 0.0, profile: str | No
         actors = [start_worker_actor(w, fleet.settings, name_prefix="scale-real-") for w in fleet.workers]
     ray.get([a.ready.remote() for a in actors])
     bare = [BareActor.remote() for _ in range(k)]
-    host = FollowerHost.remote(time.time(), fleet.settings.model_dump())
+    base = time.time()
+    host = FollowerHost.remote(base, fleet.settings.model_dump())
     ray.get(host.start.remote(k))
     # the worker-side processes: none (the aggregator hosts them), one host, or k actors
     hosting_actor = {"node": agg, "host": getattr(actors[0], "host", None)}.get(hosting)
@@ -450,8 +511,10 @@ def real_actors(k: int, seconds: float, frame_hz: float = 0.0, profile: str | No
         i = 0
         while not stop.is_set():
             i += 1
-            for sock in socks:
-                sock.send(encode_kv_metrics("0.5.23", **{**VALUES, "request_active_slots": i % 64}))
+            for sock in socks:  # the send time rides in num_requests_waiting (µs since `base`), as emulators do
+                sent_us = int((time.time() - base) * 1e6)
+                sock.send(encode_kv_metrics("0.5.23", **{**VALUES, "request_active_slots": i % 64,
+                                                         "num_requests_waiting": sent_us}))
             time.sleep(1.0 / frame_hz)
         for sock in socks:
             sock.close(linger=0)
@@ -464,11 +527,19 @@ def real_actors(k: int, seconds: float, frame_hz: float = 0.0, profile: str | No
     spies = _profile(spied, seconds, profile) if profile else []
     probes0 = ray.get(hosting_actor.host_stats.remote()).health_probes if hosting_actor else 0
     frames0 = ray.get(agg.stats.remote()).host_frames
+    took0 = ray.get(host.take.remote())  # freshness samples from the window only
+    w0_us = (time.time() - base) * 1e6
+    threads = [agg_pid, hpid, bpids[0]]
+    t_0 = {p: _thread_cpu_s(p) for p in threads}
     c0 = {p: _cpu_s(p) for p in [*wpids, *bpids, agg_pid, hpid]}
     t0 = time.monotonic()
     time.sleep(seconds)
     dt = time.monotonic() - t0
     c1 = {p: _cpu_s(p) for p in c0}
+    t_1 = {p: _thread_cpu_s(p) for p in threads}
+    w1_us = (time.time() - base) * 1e6
+    took = ray.get(host.take.remote())
+    view = _view_ages_ms(took0.seen + took.seen, w0_us + 200_000, w1_us)  # (a 200 ms margin: every worker seen)
     probes1 = ray.get(hosting_actor.host_stats.remote()).health_probes if hosting_actor else 0
     a1 = ray.get(agg.stats.remote())
     frames1 = a1.host_frames
@@ -479,7 +550,11 @@ def real_actors(k: int, seconds: float, frame_hz: float = 0.0, profile: str | No
     out = {"worker_actor": statistics.mean(pct[p] for p in wpids) if wpids else 0.0,
            "bare_actor": statistics.mean(pct[p] for p in bpids),
            "aggregator": pct[agg_pid], "follower": pct[hpid], "processes": len(wpids),
-           "frames_s": (frames1 - frames0) / dt, "window_ms": 1e3 * a1.host_window_s, "probes_s": (probes1 - probes0) / dt if hosting_actor else None}
+           "frames_s": (frames1 - frames0) / dt, "window_ms": 1e3 * a1.host_window_s, "probes_s": (probes1 - probes0) / dt if hosting_actor else None,
+           "deltas_s": (took.updates - took0.updates) / dt, "p50": _q(took.lat_ms, 50),
+           "view_p50": _q(view, 50), "view_p99": _q(view, 99), "view_mean": statistics.mean(view) if view else float("nan"), "p99": _q(took.lat_ms, 99), "samples": len(took.lat_ms),
+           "threads": {name: _thread_split(t_0[p], t_1[p], dt) for name, p in
+                       (("aggregator", agg_pid), ("follower", hpid), ("bare", bpids[0]))}}
     ray.get(host.stop.remote())
     ray.get([a.stop.remote() for a in actors])
     for a in [*handles, *bare, host]:
@@ -568,6 +643,15 @@ def main() -> int:
                   + (f" → {r['worker_actor'] - r['bare_actor']:.2f} above the floor" if m else "")
                   + f"), aggregator {r['aggregator']:.2f}, follower {r['follower']:.2f}; metrics plane total "
                   f"{plane:.1f} ({plane - (m + 2) * r['bare_actor']:.1f} above {m + 2} actor floors){extra}", flush=True)
+            if ns.frame_hz:
+                print(f"  freshness (SGLang frame sent → value in the follower's workers) p50 / p99 "
+                      f"{r['p50']:.1f} / {r['p99']:.1f} ms over {r['samples']} values; the router's view age "
+                      f"(now − sent of the value it holds, every ms) p50 / p99 {r['view_p50']:.1f} / {r['view_p99']:.1f}, "
+                      f"mean {r['view_mean']:.1f} ms; follower deltas "
+                      f"{r['deltas_s']:.1f}/s", flush=True)
+            for who, split in r["threads"].items():
+                print(f"  {who} threads, % of one core: " + ", ".join(f"{k} {v:.2f}" for k, v in split.items()),
+                      flush=True)
         ray.shutdown()
         return 0
     print(HEADER, flush=True)

@@ -25,3 +25,6 @@ class FollowerTake(msgspec.Struct, frozen=True):
     frames: int
     workers: int
     resyncs: int
+    # (worker, applied at, sent at) of every value that became visible, µs since the run's base time
+    # (--real-actors: the router's view age at any moment is computed from them)
+    seen: list[tuple[str, int, int]] = []

@@ -138,3 +138,86 @@ def test_a_paused_watch_does_not_spin_while_frames_wait():
 
     asyncio.run(main())
     push.close(0), pull.close(0), ctx.term()
+
+
+class _CountingSocket:
+    """A PULL socket's stand-in view that counts `EVENTS` checks (everything else passes through)."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self._sock = sock
+        self.events_checks = 0
+
+    def getsockopt(self, opt: int):
+        if opt == zmq.EVENTS:
+            self.events_checks += 1
+        return self._sock.getsockopt(opt)
+
+    def recv(self, flags: int = 0):
+        return self._sock.recv(flags)
+
+
+def test_an_exhaustive_drain_sees_every_frame_with_no_events_check_around_it():
+    """`exhaustive=True`: the drain's own receive until `zmq.Again` replaces the `EVENTS` checks
+    before and after it (each a libzmq call per wake-up), and nothing is missed."""
+    ctx = zmq.Context()
+    push, pull = _pair(ctx, "watch-exhaustive")
+    view = _CountingSocket(pull)
+    got: list[bytes] = []
+
+    def drain() -> bool:
+        while True:
+            try:
+                got.append(pull.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return False
+
+    async def main() -> None:
+        push.send(b"early")  # before the watch: no edge will ever announce it
+        watch = SocketWatch(view, drain, exhaustive=True)  # type: ignore[arg-type]
+        await _until(lambda: got == [b"early"])
+        for i in range(20):
+            push.send(b"%d" % i)
+            await asyncio.sleep(0.002)
+        await _until(lambda: len(got) == 21)
+        watch.pause()
+        push.send(b"held")
+        await asyncio.sleep(0.05)
+        assert got[-1] == b"19"  # paused: it waits in the socket
+        watch.resume_now()
+        assert got[-1] == b"held"
+        watch.close()
+
+    asyncio.run(main())
+    assert got == [b"early"] + [b"%d" % i for i in range(20)] + [b"held"]
+    assert view.events_checks == 0
+    push.close(0), pull.close(0), ctx.term()
+
+
+def test_an_exhaustive_drain_that_raises_falls_back_to_an_events_check_and_loses_nothing(caplog):
+    ctx = zmq.Context()
+    push, pull = _pair(ctx, "watch-exhaustive-raise")
+    view = _CountingSocket(pull)
+    got: list[bytes] = []
+
+    def drain() -> bool:  # raises after one frame: it may have stopped before zmq.Again
+        frame = pull.recv(zmq.NOBLOCK)
+        if frame == b"bad":
+            raise ValueError("boom")
+        got.append(frame)
+        while True:
+            try:
+                got.append(pull.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return False
+
+    async def main() -> None:
+        watch = SocketWatch(view, drain, exhaustive=True)  # type: ignore[arg-type]
+        push.send(b"bad")
+        push.send(b"after")  # waiting behind the frame that raised: the EVENTS check finds it
+        await _until(lambda: got == [b"after"])
+        watch.close()
+
+    asyncio.run(main())
+    assert "error while draining" in caplog.text
+    assert view.events_checks >= 1
+    push.close(0), pull.close(0), ctx.term()
