@@ -194,16 +194,17 @@ class RouterConfig(BaseModel):
     stream_batching_interval_ms: float = Field(
         50.0, ge=0, le=1000,
         description="streamed replies: the first two SSE events (role chunk, first token) go out at once, "
-        "later chunks that arrive within this long go out together (the end at once, unless "
-        "stream_batching_hold_reads). 0 = one piece per upstream read",
+        "later chunks go out together at most this long apart, on ticks of a clock the replica's streams share "
+        "(their pieces leave in one event-loop wake-up; the end at once, unless stream_batching_hold_reads). "
+        "0 = one piece per upstream read",
     )
     stream_batching_hold_reads: bool = Field(
         True,
         description="from a stream's second batching interval on, while a batched piece waits the worker's "
         "connection is not read: its tokens wait in the kernel's socket buffer and are read in one go when the "
         "interval ends (one loop wake-up, read and parser pass per piece instead of per token). The cost: the end "
-        "of a stream longer than that is seen only when its interval ends, so the last piece waits like the "
-        "others (≤ stream_batching_interval_ms, on average half of it); a reply that ends within its first "
+        "of a stream longer than that is seen only when its interval ends (the next tick), so the last piece waits "
+        "like the others (≤ stream_batching_interval_ms, on average half of it); a reply that ends within its first "
         "interval is never held. false: read as tokens arrive, the end leaves the moment it arrives",
     )
     gc_thresholds: tuple[int, int, int] | None = Field(

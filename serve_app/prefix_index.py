@@ -28,7 +28,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict, deque
-from itertools import repeat, takewhile
+from functools import partial
+from itertools import islice, repeat, takewhile
+from operator import is_
 from typing import Callable, Iterable, Sequence
 
 from actors.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
@@ -111,14 +113,15 @@ class _Fresh:
         self.batches: OrderedDict[float, int] = OrderedDict()  # sending time → fresh blocks of it, oldest first
         self.n = 0
 
-    def drop(self, sent_at: float) -> bool:
-        """One block sent at `sent_at` is no longer fresh (reused, or forgotten); False if that
-        sending's window already ended (the block had stopped counting then)."""
+    def drop(self, sent_at: float, blocks: int = 1) -> bool:
+        """`blocks` blocks sent at `sent_at` are no longer fresh (reused, or forgotten); False if that
+        sending's window already ended (the blocks had stopped counting then)."""
         c = self.batches.get(sent_at)
         if not c:
             return False
-        self.batches[sent_at] = c - 1
-        self.n -= 1
+        d = c if blocks > c else blocks
+        self.batches[sent_at] = c - d
+        self.n -= d
         return True
 
     def cool(self, cutoff: float) -> bool:
@@ -129,6 +132,17 @@ class _Fresh:
             gone += b.popitem(last=False)[1]
         self.n -= gone
         return gone > 0
+
+
+class _Held(Holders):
+    """The holder set of `PrefixIndex` entries — one object shared by all the blocks a sending
+    added (a prompt's unknown tail: `{worker: sent at}` for each of them), until one of those
+    blocks changes. `refs` counts the entries that hold this object; one with `refs > 1` is
+    copied before it is changed (copy on write). Saves an object per new block — most of a
+    prompt's blocks are a tail nobody sends again — and lets expiry drop a whole sending's
+    blocks at once (they stay adjacent in LRU order: a block that is touched is copied and moved)."""
+
+    __slots__ = ("refs",)  # (set by whoever makes one: a Python __init__ would cost more than the rest)
 
 
 class _Horizon:
@@ -204,8 +218,10 @@ class _Horizon:
 class PrefixIndex:
     """Approximate prefix index of one router replica: block hash → {worker: last use}.
 
-    Memory is bounded by `max_entries` block hashes (each with the few workers holding it);
-    entries unused for `ttl_s` are dropped. `record` is O(blocks), `overlap` O(log blocks) probes.
+    Memory is bounded by `max_entries` block hashes (each with the few workers holding it; the
+    blocks one sending added share one holder set, `_Held`); entries unused for `ttl_s` are
+    dropped. `record` is O(blocks) — its unknown tail in a tight loop of setitems —, `overlap`
+    O(log blocks) probes, expiry O(1) per sending's untouched run of blocks plus O(1) per other block.
 
     It also keeps, per worker, the *hot* blocks: those sent to that worker at least twice (reused
     while held, e.g. a shared system prompt or a conversation's history — not a prompt's unique
@@ -248,7 +264,7 @@ class PrefixIndex:
         self.max_entries = max_entries
         self._clock = clock
         # hash → holders {worker: last use}, each ordered by last use (oldest first: the stale lead)
-        self._entries: OrderedDict[int, Holders] = OrderedDict()  # LRU first
+        self._entries: OrderedDict[int, _Held] = OrderedDict()  # LRU first
         # worker → {hash: last reuse} of blocks it was sent twice or more, oldest reuse first
         self._hot: dict[str, OrderedDict[int, float]] = {}
         # worker → its blocks sent there once, within fresh_window_s (counted per sending: `_Fresh`)
@@ -326,20 +342,45 @@ class PrefixIndex:
         fresh = self._fresh[worker]
         n_hot, n_fresh = len(hot), fresh.n
         hot_move = hot.move_to_end
+        # the blocks nobody was sent yet are a chained prompt's tail (found by a C loop): insert them
+        # in a tight loop, all holding one `_Held` — the entries, their order and their holders are
+        # what the general loop below would make of them one by one
+        n = len(block_hashes)
+        tail = 0
+        if n > 1 and block_hashes[-1] not in entries:
+            try:
+                tail = list(map(entries.__contains__, reversed(block_hashes))).index(True)
+            except ValueError:
+                tail = n
+            new = block_hashes[n - tail:]
+            if tail > 1 and len(set(new)) == tail:  # (a block repeated in it: the loop sorts that out)
+                held = _Held()
+                held[worker] = now
+                held.refs = tail
+                for h in reversed(new):  # (a loop of setitems beats `OrderedDict.update`'s C loop)
+                    entries[h] = held
+                block_hashes = block_hashes[: n - tail]
+            else:
+                tail = 0
         horizon = self._horizon.get(worker)
         # the blocks it already held, as runs of one last use each (a held prefix's use times only
         # grow towards its root): run_at over positions run_lo..run_hi, released to `horizon` per run
-        i = len(block_hashes)  # the position of each block, deepest first
+        i = len(block_hashes)  # the position of each block left to the loop, deepest first
         run_at, run_lo, run_hi = _NEVER, 0, -1
-        added = 0  # blocks first sent to `worker` now: fresh from now on (one count for all of them)
+        added = tail  # blocks first sent to `worker` now: fresh from now on (one count for all of them)
         for h in reversed(block_hashes):  # root last: it becomes the most recently used
             i -= 1
             e = entries.get(h)
             if e is None:
-                e = entries[h] = Holders()
+                e = entries[h] = _Held()
+                e.refs = 1
                 e[worker] = now
                 added += 1
             else:
+                if e.refs > 1:  # shared with the other blocks of its sending: this one changes alone
+                    e.refs -= 1
+                    e = entries[h] = _Held(e)
+                    e.refs = 1
                 if worker in e:
                     if e[worker] != run_at:
                         if run_hi >= 0 and horizon is not None:
@@ -371,7 +412,7 @@ class PrefixIndex:
         if horizon is not None:
             if run_hi >= 0:
                 horizon.release(run_at, run_lo, run_hi)
-            horizon.add(now, len(block_hashes), len(block_hashes))
+            horizon.add(now, n, n)  # (n: the whole prompt, its new tail included)
         self._evict(now)
 
     def overlap(self, block_hashes: Sequence[int], now: float | None = None) -> Overlap:
@@ -426,10 +467,11 @@ class PrefixIndex:
         """Forget everything about `worker` (left the fleet, or down: its cache is gone). O(entries)."""
         dead = []
         for h, e in self._entries.items():
-            if e.pop(worker, None) is not None:
+            if worker in e:  # (a shared holder set loses it once, for all its blocks)
+                del e[worker]
                 e.membership_changed()
-                if not e:
-                    dead.append(h)
+            if not e:
+                dead.append(h)
         for h in dead:
             del self._entries[h]
         self._horizon.pop(worker, None)
@@ -443,15 +485,37 @@ class PrefixIndex:
 
     def _evict(self, now: float) -> None:
         entries = self._entries
-        while len(entries) > self.max_entries:
-            self._forget(*entries.popitem(last=False))
+        excess = len(entries) - self.max_entries
+        while excess > 0:
+            excess -= self._drop_lead(excess)
         cutoff = now - self.ttl_s
         while entries:
-            h, e = next(iter(entries.items()))
+            e = next(iter(entries.values()))
             if next(reversed(e.values())) >= cutoff:  # its last use (holders are in use order)
                 return
+            self._drop_lead(len(entries))
+
+    def _drop_lead(self, at_most: int) -> int:
+        """Drop the LRU entry — with the entries after it that share its holder set (one sending's
+        untouched blocks), up to `at_most` in all — and what the index keeps about them elsewhere."""
+        entries = self._entries
+        h, e = next(iter(entries.items()))
+        if e.refs == 1 or at_most == 1:
             del entries[h]
+            e.refs -= 1
             self._forget(h, e)
+            return 1
+        # the run of entries holding `e` at the front, counted and dropped in C loops
+        k = len(list(takewhile(partial(is_, e), islice(entries.values(), min(at_most, e.refs)))))
+        deque(map(entries.popitem, repeat(False, k)), maxlen=0)
+        e.refs -= k
+        # a shared set's blocks were never sent again (that copies the set), so none is hot: they
+        # only stop counting as fresh
+        for w, t in e.items():
+            fresh = self._fresh.get(w)
+            if fresh is not None and fresh.drop(t, k):
+                self._changed.add(w)
+        return k
 
     def _forget(self, h: int, holders: Holders) -> None:
         for w, t in holders.items():

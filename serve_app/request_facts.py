@@ -8,8 +8,9 @@ exact text of the shorter one, so a multi-turn chat keeps matching its earlier b
 
 Block hashes: the prompt is cut into chunks of `block_tokens × chars_per_token` characters (≈ one
 engine page); chunk i's hash is XOR-accumulated over (position, chunk) hashes of chunks 0..i, so
-equal hashes mean equal prefixes. The per-block work runs in C (slicing, hashing, accumulation):
-≈ 0.1 ms for a 4k-token chat on a 2.2 GHz VM (bench/decision.py). Python's string hash is keyed
+equal hashes mean equal prefixes. The per-block work runs in C (cutting, hashing, accumulation;
+an ASCII prompt is cut as bytes by one `struct` call): ≈ 0.05 ms for a 4k-token chat on a 2.2 GHz VM
+(bench/decision.py). Python's string hash is keyed
 per process, so hashes are comparable only inside one router process — which is where the
 approximate prefix index lives. When the body carries token ids
 (or `hasher`/token ids are supplied for exact mode), blocks are hashed from tokens instead
@@ -19,10 +20,12 @@ approximate prefix index lives. When the body carries token ids
 from __future__ import annotations
 
 import json
+import struct
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import accumulate, count
 from operator import xor
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from serve_app.policies.base import RouteRequest
 from serve_app.prefix_index import BlockHasher, hash_token_blocks
@@ -107,9 +110,20 @@ def text_block_hashes(text: str, chunk_chars: int, max_blocks: int = 1 << 30) ->
     n = min(len(text) // chunk_chars, max_blocks)
     if n <= 0:
         return ()
-    ends = range(chunk_chars, (n + 1) * chunk_chars, chunk_chars)
-    chunks = map(text.__getitem__, map(slice, range(0, n * chunk_chars, chunk_chars), ends))
+    if text.isascii():  # (a flag of the string: O(1))
+        # one C call cuts the chunks, as bytes (a third of the cost of slicing the string chunk by
+        # chunk); an ASCII string hashes like its bytes, so the hashes are the ones below
+        chunks: Iterable[tuple[Any]] = _chunker(chunk_chars).iter_unpack(text[: n * chunk_chars].encode("ascii"))
+    else:
+        ends = range(chunk_chars, (n + 1) * chunk_chars, chunk_chars)
+        # (1-tuples, like `iter_unpack`'s: a conversation that turns non-ASCII keeps its ASCII blocks)
+        chunks = zip(map(text.__getitem__, map(slice, range(0, n * chunk_chars, chunk_chars), ends)))
     return tuple(accumulate(map(hash, zip(count(), chunks)), xor))
+
+
+@lru_cache(maxsize=64)
+def _chunker(chunk_chars: int) -> struct.Struct:
+    return struct.Struct(f"{chunk_chars}s")
 
 
 def chat_prompt(messages: Any, tools: Any = None) -> str:

@@ -121,6 +121,7 @@ class RouterCore:
         self._clock = clock
         self._peer_counts_at = float("-inf")
         self._request_ids = itertools.count()
+        self._last_keys: tuple[tuple[int, ...], str | None, tuple[int, ...]] = ((), None, ())  # `_prefix_keys`'
         # line-buffered: a diagnostic log must hold every decision up to the moment it is read
         self._dlog = open(config.decision_log, "a", buffering=1) if config.decision_log else None  # noqa: SIM115
 
@@ -292,8 +293,13 @@ class RouterCore:
         several models, so a prefix sent to a model-B worker never attracts a model-A request."""
         if model is None or len(self._by_model) < 2 or not block_hashes:
             return block_hashes
+        last = self._last_keys  # (a request's decision and its booking ask for the same keys)
+        if last[0] is block_hashes and last[1] == model:
+            return last[2]
         salt = hash(("kvroute-model", model))
-        return tuple(map(salt.__xor__, block_hashes))  # (C loop: every block of every request)
+        keys = tuple(map(salt.__xor__, block_hashes))  # (C loop: every block of every request)
+        self._last_keys = (block_hashes, model, keys)
+        return keys
 
     def refresh_remote(self) -> None:
         """Re-date the other replicas' counts we still see in the snapshot (the aggregator expires

@@ -1,9 +1,11 @@
 """PrefixIndex's upkeep rewritten for speed — fresh blocks counted per sending instead of kept one
-by one (`_Fresh`), `_cool` dropping expired hot entries in C loops — leaves the index exactly as
-the block-by-block code it replaced: same entries in the same LRU order, same holders in the same
+by one (`_Fresh`), `_cool` dropping expired hot entries in C loops, a prompt's unknown tail sharing
+one holder set (`_Held`, copied on write) and expired or evicted as a run — leaves the index exactly
+as the block-by-block code it replaced: same entries in the same LRU order, same holders in the same
 use order, same hot blocks, same hot and fresh counts, same changed workers, same answers — on
-random histories, against a copy of the old code. (A bulk insert of a prompt's unknown tail was tried
-and measured slower: `OrderedDict.update` costs more per key than a Python loop of setitems.)"""
+random histories (LRU eviction and TTL expiry cutting through shared runs included), against a copy
+of the old code. (`OrderedDict.update` was measured slower than a Python loop of setitems: the
+tail is inserted by the loop.)"""
 
 from __future__ import annotations
 
@@ -25,8 +27,9 @@ class Clock:
 
 
 class WalkingIndex(PrefixIndex):
-    """The index as it was: each worker's fresh blocks a set of them (hash → first sent), added and
-    removed block by block; `_cool` one entry at a time."""
+    """The index as it was: each entry its own holder set, evicted and expired entry by entry; each
+    worker's fresh blocks a set of them (hash → first sent), added and removed block by block;
+    `_cool` one entry at a time."""
 
     def hot_blocks(self, worker):
         hot = self._hot.get(worker)
@@ -103,6 +106,18 @@ class WalkingIndex(PrefixIndex):
         hot, fresh = self._hot.pop(worker, None), self._fresh.pop(worker, None)
         if hot or fresh:
             self._changed.add(worker)
+
+    def _evict(self, now):
+        entries = self._entries
+        while len(entries) > self.max_entries:
+            self._forget(*entries.popitem(last=False))
+        cutoff = now - self.ttl_s
+        while entries:
+            h, e = next(iter(entries.items()))
+            if next(reversed(e.values())) >= cutoff:
+                return
+            del entries[h]
+            self._forget(h, e)
 
     def _forget(self, h, holders):
         for w in holders:

@@ -452,3 +452,50 @@ async def test_held_streams_above_the_high_water_mark_arrive_whole_and_the_conne
     finally:
         await client.aclose()
         await runner.cleanup()
+
+
+@pytest.mark.parametrize("hold", [False, True])
+async def test_concurrent_streams_batched_pieces_leave_together_on_one_clock(hold, monkeypatch):
+    """Batch windows end on ticks shared by every stream (`_Ticks`): streams started at different
+    moments send their batched pieces right after the same ticks — one timer and one event-loop
+    wake-up for all of them, not one per piece — and a piece still waits at most one interval
+    after the previous one."""
+    from serve_app import proxy
+
+    interval = 0.1
+    loop = asyncio.get_running_loop()
+    fired: list[float] = []
+    tick = proxy._Ticks._tick
+
+    def counting(self):
+        fired.append(loop.time())
+        tick(self)
+
+    monkeypatch.setattr(proxy._Ticks, "_tick", counting)
+    runner, url = await _serve(_token_worker(0.01, TOKENS))  # 30 tokens over ~0.3 s
+    client = UpstreamClient(2.0, 10.0)
+
+    async def one(delay: float) -> list[tuple[float, bytes]]:
+        await asyncio.sleep(delay)
+        up = await client.open("w", "POST", url + "/v1/chat/completions", content=b"{}")
+        out = [(loop.time(), c) async for c in up.chunks(interval, hold_reads=hold)]
+        await up.close()
+        return out
+
+    try:
+        t0 = loop.time()
+        streams = await asyncio.gather(*(one(0.013 * k) for k in range(5)))
+        t1 = loop.time()
+    finally:
+        await client.aclose()
+        await runner.cleanup()
+    batched = []
+    for pieces in streams:
+        assert b"".join(c for _, c in pieces) == b"".join(TOKENS)
+        times = [t for t, _ in pieces]
+        assert all(b - a <= interval + 0.05 for a, b in zip(times[1:], times[2:]))
+        batched += times[2:] if hold else times[2:-1]  # (an end read as it comes leaves at once)
+    assert len(batched) >= 10
+    assert len(fired) <= (t1 - t0) / interval + 2  # one timer per tick for all five streams
+    # every batched piece left in the loop pass after a tick
+    assert all(any(0 <= t - f < 0.05 for f in fired) for t in batched)

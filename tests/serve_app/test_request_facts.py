@@ -49,6 +49,20 @@ def test_a_later_turn_extends_the_earlier_turns_blocks():
     assert len(b.block_hashes) > len(a.block_hashes)
 
 
+def test_a_later_turn_with_non_ascii_text_still_extends_an_ascii_turns_blocks():
+    """(ASCII prompts are cut as bytes, others as characters: the same blocks hash the same either way.)"""
+    t1 = chat(("system", SYSTEM), ("user", "first question " * 20))
+    t2 = chat(("system", SYSTEM), ("user", "first question " * 20), ("assistant", "réponse naïve — ünïcode " * 12),
+              ("user", "second question " * 20))
+    a, b = facts_from_body(t1), facts_from_body(t2)
+    assert a.prompt.isascii() and not b.prompt.isascii()
+    assert b.block_hashes[: len(a.block_hashes)] == a.block_hashes
+    assert len(set(b.block_hashes)) == len(b.block_hashes) > len(a.block_hashes)
+    swapped = facts_from_body(chat(("system", SYSTEM), ("user", "first question " * 20),
+                                   ("assistant", "ünïcode réponse naïve — " * 12), ("user", "second question " * 20)))
+    assert swapped.block_hashes[-1] != b.block_hashes[-1]
+
+
 def test_list_of_parts_content_is_part_of_the_prompt():
     a = facts_from_body(chat(("user", [{"type": "text", "text": "look at "}, {"type": "text", "text": "this"},
                                       {"type": "image_url", "image_url": {"url": "http://x/1.png"}}])))

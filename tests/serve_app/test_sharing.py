@@ -42,12 +42,14 @@ class FakeCore:
         self.present = present
         self.active = active
         self.shares_taken = 0
+        self.polls = 0  # the share loop's wake-ups
 
     def in_flight_share(self) -> dict[str, int]:
         self.shares_taken += 1
         return dict(self.counts)
 
     def peers(self, active_within_s: float) -> tuple[bool, bool]:
+        self.polls += 1
         return self.present, self.present and self.active
 
 
@@ -94,16 +96,19 @@ async def _churn(core: FakeCore, seconds: float) -> None:
     """The replica's counts change every 3 ms (several times per share interval) for `seconds`."""
     loop = asyncio.get_running_loop()
     t0 = loop.time()
+    k = 0
     while loop.time() - t0 < seconds:
-        core.counts = {"w1": core.shares_taken % 7 + 1}
+        k += 1
+        core.counts = {"w1": k % 7 + 1}
         await asyncio.sleep(0.003)
 
 
 async def test_sharing_is_fast_only_with_an_active_peer(monkeypatch):
     """Alone, a replica's changing counts are never pushed (nobody reads them): one empty share per
-    heartbeat keeps it known to the aggregator. With peers that are idle, its counts go once per
-    heartbeat (so they see it is busy). With an active peer, at every change; when the peers are
-    gone, an empty share clears its counts at the next heartbeat."""
+    heartbeat keeps it known to the aggregator, and the loop wakes only a few times per heartbeat.
+    With peers that are idle, its counts go once per heartbeat (so they see it is busy). With an
+    active peer, at every change, the loop at its fast cadence; when the peers are gone, an empty
+    share clears its counts at the next heartbeat."""
     monkeypatch.setattr(sharing, "AggregatorLink", FakeLink)
     FakeLink.instances.clear()
     settings = Settings(push_interval_s=0.002, heartbeat_s=0.2, reconnect_backoff_s=0.01, reconnect_backoff_max_s=0.02)
@@ -116,9 +121,9 @@ async def test_sharing_is_fast_only_with_an_active_peer(monkeypatch):
     try:
         await _until(lambda: FakeLink.instances and FakeLink.instances[0].pushed)
         link = FakeLink.instances[0]
-        taken0 = core.shares_taken
+        polls0 = core.polls
         await _churn(core, 0.5)
-        assert core.shares_taken - taken0 >= 20  # the loop ran at its fast cadence throughout
+        assert core.polls - polls0 <= 8  # not the fast cadence (10 ms: 50 wake-ups): per half heartbeat
         assert all(p == {} for p in link.pushed)  # alone: never the counts
         assert 2 <= len(link.pushed) <= 4  # the first announcement, then one per 0.2 s heartbeat
 
@@ -129,9 +134,10 @@ async def test_sharing_is_fast_only_with_an_active_peer(monkeypatch):
         assert 2 <= len(idle) <= 4 and all(p for p in idle)  # the counts, once per heartbeat
 
         core.active = True
-        n = len(link.pushed)
+        n, polls0 = len(link.pushed), core.polls
         await _churn(core, 0.3)
         assert len(link.pushed) - n >= 10  # every change, at the 10 ms interval
+        assert core.polls - polls0 >= 15  # (the first ≤ 0.1 s until the loop noticed the active peer)
         core.present = False
         await _until(lambda: link.pushed[-1] == {}, timeout_s=0.5)
     finally:
