@@ -45,6 +45,7 @@ import psutil  # noqa: E402
 import ray  # noqa: E402
 
 
+from bench.profile import thread_cpu  # noqa: E402
 from bench.scale_messages import EmulatorCounters, FollowerTake  # noqa: E402  (importable: Ray pickles them by name)
 
 VALUES = dict(request_active_slots=12, request_total_slots=64, kv_active_blocks=1250, kv_total_blocks=10_000,
@@ -302,23 +303,8 @@ def _view_ages_ms(seen: list[tuple[str, int, int]], t0_us: float, t1_us: float, 
 
 
 def _thread_cpu_s(pid: int) -> dict[str, float]:
-    """CPU seconds of each thread of `pid`, keyed "name/tid" (`/proc/PID/task/TID/stat`)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                raw = f.read()
-        except OSError:
-            continue
-        name = raw[raw.index("(") + 1:raw.rindex(")")]
-        fields = raw[raw.rindex(")") + 2:].split()
-        out[f"{name}/{tid}"] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
-    return out
+    """CPU seconds of each thread of `pid`, keyed "name/tid" (`bench.profile.thread_cpu`)."""
+    return {f"{name}/{tid}": s for tid, (name, s) in thread_cpu(pid).items()}
 
 
 def _thread_split(before: dict[str, float], after: dict[str, float], dt: float) -> dict[str, float]:

@@ -17,6 +17,17 @@ def _pair(ctx: zmq.Context, name: str) -> tuple[zmq.Socket, zmq.Socket]:
     return push, pull
 
 
+def _drain_all(pull: zmq.Socket, got: list[bytes]):
+    """A drain that receives until `zmq.Again` (then reports the socket empty: False)."""
+    def drain() -> bool:
+        while True:
+            try:
+                got.append(pull.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return False
+    return drain
+
+
 async def _until(pred, timeout_s: float = 2.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not pred():
@@ -56,12 +67,7 @@ def test_a_paused_watch_leaves_frames_in_the_socket_until_kicked():
     push, pull = _pair(ctx, "watch-pause")
     got: list[bytes] = []
 
-    def drain() -> bool:
-        while True:
-            try:
-                got.append(pull.recv(zmq.NOBLOCK))
-            except zmq.Again:
-                return False
+    drain = _drain_all(pull, got)
 
     async def main() -> None:
         watch = SocketWatch(pull, drain)
@@ -164,12 +170,7 @@ def test_an_exhaustive_drain_sees_every_frame_with_no_events_check_around_it():
     view = _CountingSocket(pull)
     got: list[bytes] = []
 
-    def drain() -> bool:
-        while True:
-            try:
-                got.append(pull.recv(zmq.NOBLOCK))
-            except zmq.Again:
-                return False
+    drain = _drain_all(pull, got)
 
     async def main() -> None:
         push.send(b"early")  # before the watch: no edge will ever announce it
@@ -204,11 +205,9 @@ def test_an_exhaustive_drain_that_raises_falls_back_to_an_events_check_and_loses
         if frame == b"bad":
             raise ValueError("boom")
         got.append(frame)
-        while True:
-            try:
-                got.append(pull.recv(zmq.NOBLOCK))
-            except zmq.Again:
-                return False
+        return rest()
+
+    rest = _drain_all(pull, got)
 
     async def main() -> None:
         watch = SocketWatch(view, drain, exhaustive=True)  # type: ignore[arg-type]
