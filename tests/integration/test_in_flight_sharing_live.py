@@ -107,7 +107,9 @@ async def test_a_lone_replica_only_announces_itself_and_a_second_turns_sharing_o
         await _until(lambda: a.peers(settings.down_after_s)[1], settings.heartbeat_s * 2, "an active peer")
         n0 = await _shares(agg)
         await asyncio.sleep(1.0)
-        assert await _shares(agg) - n0 >= 1.0 / tick, "with an active peer, changed counts are shared at every tick"
+        # every tick: ~20 in a second (a tick or two may slip on a loaded 2-core CI machine), against
+        # the ~4 a second of a replica alone or beside idle peers
+        assert await _shares(agg) - n0 >= 0.8 / tick, "with an active peer, changed counts are shared at every tick"
         busy = False
         await churner
         await churner_b
