@@ -16,7 +16,7 @@ in every process; different seeds give disjoint texts (no accidental sharing acr
   per-conversation context, every earlier user turn and every earlier assistant reply).
 - `no_sharing`: unique prompts, nothing reusable across requests (the control).
 - `mooncake`: a replay of Mooncake's FAST'25 conversation trace (real traffic from Kimi's service,
-  `shared/data/mooncake/`): arrivals, input and output lengths and the prefix-sharing structure
+  a copy in `bench/data/mooncake/`): arrivals, input and output lengths and the prefix-sharing structure
   from the trace, with time compressed and lengths scaled to fit the fleet (see `mooncake`).
 """
 
@@ -183,12 +183,13 @@ MOONCAKE_BLOCK = 512  # tokens per hash id in the trace
 
 
 def mooncake_path() -> str:
-    """Where the trace lives: $KVROUTE_MOONCAKE_TRACE, else `shared/data/mooncake/` beside the repo."""
+    """Where the trace lives: $KVROUTE_MOONCAKE_TRACE, else the copy in `bench/data/mooncake/`
+    (Apache-2.0, its licence and README beside it), so a checkout anywhere replays it."""
     env = os.environ.get("KVROUTE_MOONCAKE_TRACE")
     if env:
         return env
     here = os.path.dirname(os.path.abspath(__file__))
-    return os.path.join(here, "..", "..", "shared", "data", "mooncake", "conversation_trace.jsonl")
+    return os.path.join(here, "data", "mooncake", "conversation_trace.jsonl")
 
 
 def load_mooncake(path: str | None = None) -> list[dict[str, Any]]:
