@@ -24,8 +24,12 @@ WINDOW_POLL_S = 30.0  # a window long-poll answers after this long even if nothi
 class AggregatorLink:
     """`push_reports` / `push_in_flight` never block: a frame the socket cannot queue (more than
     `hwm` unsent: the aggregator is away or slow) is dropped and the caller's next, newer state
-    goes instead. `ensure()` (re)connects: through Ray it asks the aggregator where it listens,
-    and again when the connection has been down `stale_s` (the aggregator restarted elsewhere).
+    goes instead. `ensure()` connects: through Ray it asks the aggregator where it listens. When
+    the connection has been down `stale_s`, `ensure()` answers False (push later) and asks Ray
+    again in the background, keeping the socket: a restarted aggregator keeps its address and
+    token, so ZeroMQ's own reconnect usually brings the link back first — without waiting for
+    Ray to tell this process that the actor is alive again, which lags under load. Only an answer
+    naming another address or token (the aggregator moved or is a new one) replaces the socket.
 
     `follow_window` (a metrics host's link): once connected, the link long-polls the aggregator's
     fleet-wide coalescing window (`Aggregator.host_window`, a Ray call that answers only when the
@@ -66,6 +70,7 @@ class AggregatorLink:
         self.follow_window = follow_window
         self.window_s: float | None = None  # the aggregator's fleet-wide window (follow_window), None until known
         self._window_task: asyncio.Task | None = None
+        self._reresolve_task: asyncio.Task | None = None
 
     @property
     def epoch(self) -> str | None:
@@ -93,27 +98,63 @@ class AggregatorLink:
             self._watch()
             if self._down_since is None or time.monotonic() - self._down_since < self.stale_s:
                 return True
-            logger.info("aggregator at %s unreachable for %.1f s; asking Ray where it is",
-                        self.endpoints.ingest if self.endpoints else "?", time.monotonic() - self._down_since)
-            self._close_socket()
+            if self._reresolve_task is None:
+                logger.info("aggregator at %s unreachable for %.1f s; asking Ray where it is",
+                            self.endpoints.ingest if self.endpoints else "?", time.monotonic() - self._down_since)
+                self._reresolve_task = asyncio.get_running_loop().create_task(self._reresolve())
+            return False
         now = time.monotonic()
         if now < self._retry_at:
             return False
+        endpoints = await self._ask()
+        if endpoints is None:
+            self._retry_at = now + self._backoff.delay()  # never sleeps: a push loop must not block on us
+            return False
+        self._backoff.reset()
+        self.endpoints = endpoints
+        self._open_socket(endpoints.ingest)
+        if self.follow_window and self._window_task is None:
+            self._window_task = asyncio.get_running_loop().create_task(self._follow_window())
+        return True
+
+    async def _ask(self) -> Endpoints | None:
+        """The aggregator's endpoints through Ray, or None (logged) if it does not answer."""
         try:
             if self.handle is None:
                 self.handle = await self._resolve()
             ip = self._client_ip or await asyncio.to_thread(_node_ip)
-            self.endpoints = await asyncio.wait_for(self.handle.endpoints.remote(ip), self.call_timeout_s)
+            return await asyncio.wait_for(self.handle.endpoints.remote(ip), self.call_timeout_s)
         except Exception as exc:
             self.handle = None
-            self._retry_at = now + self._backoff.delay()  # never sleeps: a push loop must not block on us
             logger.warning("aggregator unreachable (%s: %s); retrying", type(exc).__name__, str(exc)[:200])
-            return False
-        self._backoff.reset()
-        self._open_socket(self.endpoints.ingest)
-        if self.follow_window and self._window_task is None:
-            self._window_task = asyncio.get_running_loop().create_task(self._follow_window())
-        return True
+            return None
+
+    async def _reresolve(self) -> None:
+        """The connection is down `stale_s`: ask Ray where the aggregator is (with back-off) until it
+        answers or the socket reconnects by itself. Another address or token → a new socket; the
+        same one still unreachable → the socket is opened afresh."""
+        try:
+            while self._sock is not None:
+                endpoints = await self._ask()
+                self._watch()
+                if self._down_since is None:
+                    if endpoints is not None:
+                        self.endpoints = endpoints  # (the epoch: a restarted aggregator's new one)
+                    return  # ZeroMQ reconnected first
+                if endpoints is None:
+                    await asyncio.sleep(self._backoff.delay())
+                    continue
+                self._backoff.reset()
+                moved = self.endpoints is None or (endpoints.ingest, endpoints.token) != (
+                    self.endpoints.ingest, self.endpoints.token)
+                logger.info("aggregator at %s (%s); reconnecting", endpoints.ingest,
+                            "moved" if moved else "same address")
+                self.endpoints = endpoints
+                self._close_socket()
+                self._open_socket(endpoints.ingest)
+                return
+        finally:
+            self._reresolve_task = None
 
     def push_reports(self, reports: list[WorkerReport]) -> bool:
         return self._push(ReportBatch(token=self._token(), reports=reports))
@@ -127,6 +168,9 @@ class AggregatorLink:
         return self._push(InFlightShare(token=self._token(), replica=replica, counts=counts))
 
     def close(self) -> None:
+        if self._reresolve_task is not None:
+            self._reresolve_task.cancel()
+            self._reresolve_task = None
         if self._window_task is not None:
             self._window_task.cancel()
             self._window_task = None

@@ -108,6 +108,7 @@ class FleetFollower:
         self.last_error: str | None = None
         self.updates = 0  # deltas applied (keep-alives not counted)
         self.resyncs = 0
+        self.restarts_followed = 0  # restarted aggregators followed from their stream's start (no snapshot)
         self.bytes_received = 0
         self.frames_received = 0  # deltas, keep-alives and snapshots
         self._task: asyncio.Task | None = None
@@ -262,9 +263,16 @@ class FleetFollower:
                     except ProtocolError as exc:
                         logger.warning("aggregator sent an undecodable delta (%s); resyncing", exc)
                         raise _Resync() from None
-                    if d.epoch != self.epoch or d.prev_version > self.version:
-                        raise _Resync()  # restarted, or we missed a delta
-                    if d.version <= self.version:
+                    if d.epoch != self.epoch:
+                        if d.prev_version != 0 or self.epoch is None:
+                            raise _Resync()  # restarted, and we missed the start of its stream
+                        # a restarted aggregator's stream from its start (its registry began empty
+                        # at version 0): nothing missed, so no snapshot through Ray — whose news
+                        # that the actor is alive again reaches this process late under load
+                        self.restarts_followed += 1
+                    elif d.prev_version > self.version:
+                        raise _Resync()  # we missed a delta
+                    elif d.version <= self.version:
                         continue  # a keep-alive, or already in our snapshot
                     changed += self.apply(d)
                     self.updates += 1

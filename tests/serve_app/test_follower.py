@@ -179,3 +179,86 @@ def test_a_worker_missing_from_a_resync_snapshot_is_no_longer_routed_to():
     reg.remove("b")
     core.on_fleet_update(core.follower.apply(reg.snapshot()))  # the delta naming it was missed (same epoch)
     assert {core.decide(core.facts(body), "round_robin")[0].worker for _ in range(4)} == {"a"}
+
+
+class _Remote:
+    def __init__(self, fn) -> None:
+        self._fn = fn
+
+    def remote(self, *args):
+        return self._fn(*args)
+
+
+async def test_a_restarted_aggregators_stream_is_followed_from_its_start_without_a_snapshot():
+    """A restarted aggregator publishes from version 0 on the same address: a follower that hears its
+    first delta needs no snapshot through Ray (whose news of the restart reaches the process late
+    under load); one that missed that delta resyncs through a snapshot as before. Real PUB/SUB."""
+    import asyncio
+
+    import zmq
+    import zmq.asyncio
+
+    from actors.protocol import Endpoints, encode_delta
+
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    reg = {"now": FleetRegistry(Settings(), clock=Clock())}
+    snapshots = []
+
+    async def endpoints(ip):
+        return Endpoints(epoch=reg["now"].epoch, ingest="tcp://127.0.0.1:1", publish=f"tcp://127.0.0.1:{port}",
+                         token="t")
+
+    async def snapshot():
+        snapshots.append(reg["now"].epoch)
+        return encode_delta(reg["now"].snapshot())
+
+    class Agg:
+        pass
+
+    agg = Agg()
+    agg.endpoints, agg.snapshot = _Remote(endpoints), _Remote(snapshot)
+
+    async def resolve():
+        return agg
+
+    async def until(pred, what):
+        for _ in range(500):
+            if pred():
+                return
+            pub.send(encode_delta(reg["now"].keepalive()))  # (keeps the stream alive, as the aggregator does)
+            await asyncio.sleep(0.01)
+        raise AssertionError(what)
+
+    f = FleetFollower(resolve, silence_s=5.0)
+    f.start()
+    try:
+        reg["now"].report(report("a"))
+        reg["now"].take_delta()
+        await until(lambda: "a" in f.workers, "first snapshot")
+        assert len(snapshots) == 1
+        # restarted: a new registry, its stream heard from its first delta
+        reg["now"] = FleetRegistry(Settings(), clock=Clock())
+        reg["now"].report(report("b"))
+        pub.send(encode_delta(reg["now"].take_delta()))
+        await until(lambda: f.epoch == reg["now"].epoch and "b" in f.workers, "the new epoch's first delta")
+        assert len(snapshots) == 1 and f.restarts_followed == 1
+        assert sorted(f.workers) == ["a", "b"]  # a carried for its grace, as after a snapshot
+        reg["now"].report(report("a", seq=2, active=7))
+        pub.send(encode_delta(reg["now"].take_delta()))
+        await until(lambda: f.workers["a"].metrics["request_active_slots"] == 7, "the next delta")
+        assert f.expire_carried() == []  # a re-registered: no longer carried
+        # restarted again, and this time its first delta is missed: a snapshot
+        reg["now"] = FleetRegistry(Settings(), clock=Clock())
+        reg["now"].report(report("c"))
+        reg["now"].take_delta()  # published while nobody listened
+        reg["now"].report(report("c", seq=2))
+        pub.send(encode_delta(reg["now"].take_delta()))
+        await until(lambda: f.epoch == reg["now"].epoch and "c" in f.workers, "resync after a missed first delta")
+        assert len(snapshots) == 2 and f.restarts_followed == 1
+    finally:
+        await f.stop()
+        pub.close(linger=0)
+        ctx.term()
