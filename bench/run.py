@@ -438,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--router", action="append", default=[], metavar="SECTION.KEY=JSON",
                     help="a router setting for every kvroute target, e.g. --router prefix_index.cache_share=0 "
                     "(named in the report's overrides)")
+    ap.add_argument("--settings", action="append", default=[], metavar="KEY=JSON",
+                    help="a metrics-plane setting (the fleet file's settings:) for every kvroute target, e.g. "
+                    "--settings coalesce_s=0.1 (named in the report's overrides)")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="record every Serve-hosted target's router replica with py-spy during its trials; "
                          "raw stacks and their top entries go to DIR (see bench/profile.py)")
@@ -525,6 +528,13 @@ def main(argv: list[str] | None = None) -> int:
         router_args = {**router_args, **parse_router_overrides(ns.router)}
         suite["router"] = router_args
         overrides.append("router=" + ",".join(ns.router))
+    plane: dict[str, Any] = {}
+    if ns.settings:
+        from bench.overrides import parse_router_overrides
+
+        plane = parse_router_overrides(ns.settings, "--settings")
+        suite["settings"] = plane
+        overrides.append("settings=" + ",".join(ns.settings))
     dump = Path(ns.dump).resolve() if ns.dump else None
     if dump is not None:
         dump.mkdir(parents=True, exist_ok=True)
@@ -537,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     fleet = BenchFleet(suite["workers"], suite["engine"], verbose=ns.verbose, progress=progress,
                        models=tuple(suite.get("models", ())),
                        targets_enabled=enabled, kv_events=suite["kv_events"],
-                       router_args=router_args, decision_log_dir=dump,
+                       router_args=router_args, plane_settings=plane, decision_log_dir=dump,
                        dp_size=ns.dp_size, pd=tuple(suite["pd"]) if suite.get("pd") else None)
     trials: list[dict] = []
     overhead: list[dict] = []

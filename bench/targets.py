@@ -253,6 +253,7 @@ class BenchFleet:
     decision_log_dir: Path | None = None  # every kvroute target logs its decisions there
     kv_events: bool = False  # engines publish KV events + the kv_aware exact-mode target (see run.py)
     router_args: dict[str, Any] = field(default_factory=dict)  # RouterConfig fields for every kvroute app
+    plane_settings: dict[str, Any] = field(default_factory=dict)  # the fleet file's `settings:` (metrics plane)
     dp_size: int = 1  # attention-DP ranks per worker (sim --dp-size; sglang-router then runs --dp-aware)
     # several: a multi-model fleet (workers split into equal contiguous shares, one model each); the
     # targets that cannot route by model (Serve's model-blind floors) are left out
@@ -306,7 +307,7 @@ class BenchFleet:
                 "engine_args": {k: v for k, v in self.engine_args.items() if k != "page_size"},
                 **({"dp_size": self.dp_size} if self.dp_size > 1 else {}),
             })
-        return {"workers": ws}
+        return {"workers": ws, **({"settings": self.plane_settings} if self.plane_settings else {})}
 
     # ---------------------------------------------------------------- start
 
