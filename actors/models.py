@@ -107,10 +107,11 @@ class Settings(BaseModel):
         "delta to router replicas at most this often"
     )
     coalesce_s: float = Field(
-        0.05, gt=0, description="how long a change may wait for others where the plane is lightly loaded, to save "
+        0.1, gt=0, description="how long a change may wait for others where the plane is lightly loaded, to save "
         "wake-ups: a worker actor pushes a busy engine's metrics at most once per window (the first change after a "
         "quiet spell at once), and the aggregator publishes deltas of fewer than 8 workers at most once per window "
-        "(larger ones every publish_interval_s)"
+        "(larger ones every publish_interval_s). 0.1 s: on the Mooncake replay kv_aware routes as well as at 0.05 "
+        "(its own ledger carries what it sent since) for half the wake-ups (bench/results/scale.md)"
     )
     fleet_window_s: float = Field(
         0.01, gt=0, description="the coalescing window of every metrics host while the fleet is large (the aggregator "
