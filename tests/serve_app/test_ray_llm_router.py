@@ -11,6 +11,7 @@ import pytest
 
 from actors.protocol import RankMetrics, WorkerReport
 from actors.registry import FleetRegistry
+from serve_app.policies import POLICIES
 from serve_app.ray_llm.names import ROUTING_STATS_KEY, replica_worker_name
 
 APP, DEP = "llm", "SGLangServer:m"
@@ -166,3 +167,39 @@ async def test_a_first_token_signal_from_the_ingress_thread_releases_the_prefill
         await asyncio.sleep(0)
     assert ledger.view(worker).pending_prefill_blocks == 0
     assert ledger.in_flight(worker) == 1 and router.first_tokens == 1  # still in flight until completed
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+async def test_every_kvroute_policy_is_selectable_by_the_policy_kwarg(policy):
+    """`request_router_kwargs: {policy: <name>}` works for each of kvroute's policies: the router's core
+    decides with it, the pick comes first and is charged, and the decision is counted under that policy."""
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from serve_app.ray_llm.request_router import KvRouteRequestRouter
+
+    r = KvRouteRequestRouter(deployment_id=DeploymentID(name=DEP, app_name=APP),
+                             handle_source=DeploymentHandleSource.UNKNOWN)
+    r.initialize_state(policy=policy, ray_metrics=False, router={"seed": 1})
+    r._started = True
+    seen: list[tuple[str, str]] = []
+    r.exporter = SimpleNamespace(on_decision=lambda p, reason, s: seen.append((p, reason)))
+    cands = [_replica(u) for u in "abc"]
+    _fleet(r, [replica_worker_name(c.replica_id) for c in cands])
+    req = _pending("r1", "pick one " * 40)
+    ranks = await r.choose_replicas(cands, req)
+    assert r.config.policy == policy
+    assert len(ranks) == 2 and len(ranks[0]) == 1 and len(ranks[1]) == 2
+    assert r.core.ledger.in_flight(replica_worker_name(ranks[0][0].replica_id)) == 1
+    assert seen and seen[0][0] == policy and seen[0][1] in ("prefix", "load"), seen
+
+
+def test_an_unknown_policy_kwarg_is_refused_with_the_valid_names():
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from serve_app.ray_llm.request_router import KvRouteRequestRouter
+
+    r = KvRouteRequestRouter(deployment_id=DeploymentID(name=DEP, app_name=APP),
+                             handle_source=DeploymentHandleSource.UNKNOWN)
+    with pytest.raises(ValueError, match="kv_aware"):
+        r.initialize_state(policy="kv_awre", ray_metrics=False)
+
