@@ -181,6 +181,8 @@ def test_a_restarted_replica_is_picked_up(llm_app):
 def test_kvroute_metrics_reach_rays_prometheus_under_the_dashboards_names(llm_app):
     """Every series `deploy/grafana/kvroute-ray.json` may query is in the Ray node's own Prometheus
     export (ray.util.metrics; no new scrape target)."""
+    import re
+
     import ray
 
     from serve_app.ray_llm.ray_metrics import prometheus_names
@@ -192,7 +194,8 @@ def test_kvroute_metrics_reach_rays_prometheus_under_the_dashboards_names(llm_ap
                 "messages": [{"role": "user", "content": f"metrics {i} " * 40}]}) as r:
             assert r.status_code == 200
             r.read()
-    want = prometheus_names()
+    # every series but the attention-DP ranks' (these replicas run one rank each; tests/serve_app covers them)
+    want = {n for n in prometheus_names() if not n.startswith("ray_kvroute_worker_rank_")}
     seen: set[str] = set()
 
     def exported() -> bool:
@@ -201,6 +204,17 @@ def test_kvroute_metrics_reach_rays_prometheus_under_the_dashboards_names(llm_ap
         return want <= seen
 
     wait_for(exported, 90, interval_s=2.0, what=f"kvroute's metrics in Ray's Prometheus (missing: {want - seen})")
+
+    # Ray keeps a gauge's last value for the router's lifetime: a replica gone from the fleet (the one
+    # test_a_restarted_replica_is_picked_up killed, when run before) must be in no state there
+    state_re = re.compile(r'^ray_kvroute_worker_state\{.*worker="([^"]+)".*\} 1(\.0)?$')
+
+    def shown_workers_are_in_the_fleet() -> bool:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        shown = {m.group(1) for line in text.splitlines() if (m := state_re.match(line))}
+        return bool(shown) and shown <= set(_fleet_names())
+
+    wait_for(shown_workers_are_in_the_fleet, 30, interval_s=1.0, what="no departed replica shown in a state")
 
 
 def test_streamed_first_tokens_reach_the_request_router_through_the_ingress(llm_app):
@@ -227,3 +241,4 @@ def test_streamed_first_tokens_reach_the_request_router_through_the_ingress(llm_
             r.read()
     wait_for(lambda: count() >= before + 5, 90, interval_s=2.0,
              what=f"5 first-token signals counted (had {before}, now {count()})")
+

@@ -203,3 +203,61 @@ def test_an_unknown_policy_kwarg_is_refused_with_the_valid_names():
     with pytest.raises(ValueError, match="kv_aware"):
         r.initialize_state(policy="kv_awre", ray_metrics=False)
 
+
+class _Gauge:
+    """Stands in for a `ray.util.metrics` metric: the last value per tag set, as Ray's exporter keeps it."""
+
+    def __init__(self) -> None:
+        self.values: dict[tuple, float] = {}
+
+    def set(self, value: float, tags: dict) -> None:
+        self.values[tuple(sorted(tags.items()))] = value
+
+    def inc(self, value: float = 1.0, tags: dict | None = None) -> None:
+        key = tuple(sorted((tags or {}).items()))
+        self.values[key] = self.values.get(key, 0.0) + value
+
+    def observe(self, value: float, tags: dict | None = None) -> None:
+        pass
+
+    def of(self, **tags: str) -> dict[tuple, float]:
+        return {k: v for k, v in self.values.items() if all((t, tags[t]) in k for t in tags)}
+
+
+def test_ray_gauges_show_dp_ranks_and_forget_a_replica_that_left_the_fleet(router):
+    """Ray keeps a gauge's last value per tag set while the router's process lives: a replica that left
+    the fleet must not stay `live` in the dashboard's worker table; an attention-DP replica's ranks get
+    their own series (the per-worker ones sum them), as kvroute's own `/metrics` has them."""
+    from serve_app.ray_llm.ray_metrics import RouterExporter
+
+    gauges: dict[str, _Gauge] = {}
+    exporter = RouterExporter(router.core, DEP, make=lambda n: gauges.setdefault(n, _Gauge()))
+    a, b = replica_worker_name(_replica("a").replica_id), replica_worker_name(_replica("b").replica_id)
+    reg = FleetRegistry()
+    dp = [RankMetrics(request_active_slots=r + 1, request_total_slots=256, kv_active_blocks=10 * (r + 1),
+                      kv_total_blocks=1000, num_requests_waiting=r, gpu_cache_usage_perc=0.01 * (r + 1),
+                      gpu_prefix_cache_hit_rate=0.0, data_parallel_rank=r) for r in range(2)]
+    reg.report(WorkerReport(name=a, url="", page_size=16, incarnation="i", healthy=True, ranks=_ranks()))
+    reg.report(WorkerReport(name=b, url="", page_size=16, incarnation="i", healthy=True, ranks=dp))
+    f = router.follower
+    f.on_update(f.apply(reg.take_delta()))
+    exporter.export_fleet()
+
+    state = gauges["kvroute_worker_state"]
+    assert state.of(worker=a, state="live") and list(state.of(worker=a, state="live").values()) == [1.0]
+    assert list(gauges["kvroute_worker_running_requests"].of(worker=b).values()) == [3]  # 1 + 2, summed
+    rank_kv = gauges["kvroute_worker_rank_kv_usage_ratio"]
+    assert {dict(k)["rank"]: v for k, v in rank_kv.of(worker=b).items()} == {"0": 0.01, "1": 0.02}
+    assert {dict(k)["rank"]: v for k, v in gauges["kvroute_worker_rank_waiting_requests"].of(worker=b).items()} \
+        == {"0": 0, "1": 1}
+    assert not rank_kv.of(worker=a)  # one rank: the per-worker series say it all
+
+    reg.remove(b)  # stopped (or down past the timeout): gone from the fleet
+    f.on_update(f.apply(reg.take_delta()))
+    exporter.export_fleet()
+    assert set(state.of(worker=b).values()) == {0.0}  # in no state: the worker table drops it
+    assert set(rank_kv.of(worker=b).values()) == {0.0}
+    assert list(gauges["kvroute_worker_metrics_age_seconds"].of(worker=b).values()) == [-1.0]
+    assert list(state.of(worker=a, state="live").values()) == [1.0]  # the others untouched
+    exporter.export_fleet()  # cleared once, not re-exported
+    assert set(state.of(worker=b).values()) == {0.0}
