@@ -208,12 +208,17 @@ class KvRouteRequestRouter(RequestRouter):
         except NoWorkerAvailable:
             self._count("no_worker", policy, t0)
             return [candidate_replicas]
-        if len(self._charged) >= _FACTS_CAP:
+        if len(self._charged) >= _FACTS_CAP:  # choices Serve never followed up: release, then forget
+            for stale in self._charged:
+                self.core.ledger.on_failed(stale)
             self._charged.clear()
         # charged now, not when Serve reports the request routed (after the replica accepted it):
         # in a burst every routing task would otherwise decide on the same empty ledger
         self.core.on_routed(rid, facts, decision.worker)
         self._charged[rid] = (facts, decision.worker)
+        future = getattr(pending_request, "future", None)
+        if future is not None:
+            future.add_done_callback(lambda f, rid=rid: self._choice_settled(rid, f))
         self._count(reason_label(facts, decision.worker), policy, t0)
         return split_ranks(by_name, decision.worker, set(known))
 
@@ -246,7 +251,20 @@ class KvRouteRequestRouter(RequestRouter):
             if self.exporter is not None:
                 self.exporter.on_first_token()
 
+    def _choice_settled(self, rid: str, future: Any) -> None:
+        """The request's routing future is done. Cancelled (the caller gave up while Serve was still
+        routing it) or failed: Serve sends it nowhere and reports nothing more, so the charge made
+        when it was chosen is released here. Fulfilled: `on_request_routed` follows (or, on paths
+        without the replica's accept, `on_request_completed`)."""
+        if (future.cancelled() or future.exception() is not None) and self._charged.pop(rid, None) is not None:
+            self.core.ledger.on_failed(rid)
+
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        # Ray calls this for every dispatched request (success, error or cancel), a dead replica's too
-        if self._routed.pop(internal_request_id, None) is not None:
+        # Ray calls this for every dispatched request (success, error or cancel), a dead replica's too.
+        # A request it dispatched without reporting it routed is still in `_charged`: Serve's sends
+        # without the replica's accept (Ray Client; the handle's `choose_replica`/`dispatch` API, which
+        # Ray Serve LLM's prefill/decode pattern uses) never call `on_request_routed`, and a send that
+        # raised before its completion callback was registered reports only this.
+        if (self._routed.pop(internal_request_id, None) is not None
+                or self._charged.pop(internal_request_id, None) is not None):
             self.core.ledger.on_finished(internal_request_id)

@@ -169,6 +169,56 @@ async def test_a_first_token_signal_from_the_ingress_thread_releases_the_prefill
     assert ledger.in_flight(worker) == 1 and router.first_tokens == 1  # still in flight until completed
 
 
+
+async def test_a_request_cancelled_while_serve_routes_it_releases_its_charge(router):
+    """The caller gives up after kvroute chose (Serve still probing or backing off): Serve cancels the
+    request's routing future and reports nothing more — the charge made at the choice is released."""
+    import asyncio
+
+    a, b = _replica("a"), _replica("b")
+    _fleet(router, [replica_worker_name(a.replica_id), replica_worker_name(b.replica_id)])
+    req = _pending("r1", "hello " * 50)
+    req.future = asyncio.get_running_loop().create_future()
+    ranks = await router.choose_replicas([a, b], req)
+    pick = replica_worker_name(ranks[0][0].replica_id)
+    assert router.core.ledger.in_flight(pick) == 1
+    req.future.cancel()
+    await asyncio.sleep(0)  # done callbacks run on the loop
+    assert router.core.ledger.in_flight(pick) == 0 and not router._charged
+
+
+async def test_a_fulfilled_choice_keeps_its_charge_until_serve_reports_the_end(router):
+    import asyncio
+
+    a, b = _replica("a"), _replica("b")
+    _fleet(router, [replica_worker_name(a.replica_id), replica_worker_name(b.replica_id)])
+    req = _pending("r1", "hello " * 50)
+    req.future = asyncio.get_running_loop().create_future()
+    ranks = await router.choose_replicas([a, b], req)
+    req.future.set_result(ranks[0][0])
+    await asyncio.sleep(0)
+    pick = replica_worker_name(ranks[0][0].replica_id)
+    assert router.core.ledger.in_flight(pick) == 1
+    router.on_request_routed(req, ranks[0][0].replica_id, None)
+    router.on_request_completed(ranks[0][0].replica_id, "r1")
+    assert router.core.ledger.in_flight(pick) == 0
+
+
+async def test_a_request_completed_without_being_reported_routed_is_released(router):
+    """Serve sends without the replica's accept (Ray Client, the handle's choose_replica/dispatch API
+    Ray Serve LLM's prefill/decode pattern uses) and never calls on_request_routed, only
+    on_request_completed: the charge must not stay in the ledger for ever."""
+    a, b = _replica("a"), _replica("b")
+    _fleet(router, [replica_worker_name(a.replica_id), replica_worker_name(b.replica_id)])
+    ledger = router.core.ledger
+    for i in range(5):
+        req = _pending(f"r{i}", f"prompt {i} " * 50)
+        ranks = await router.choose_replicas([a, b], req)
+        router.on_request_completed(ranks[0][0].replica_id, f"r{i}")
+    assert sum(ledger.in_flight(replica_worker_name(r.replica_id)) for r in (a, b)) == 0
+    assert not router._charged and not router._routed
+
+
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 async def test_every_kvroute_policy_is_selectable_by_the_policy_kwarg(policy):
     """`request_router_kwargs: {policy: <name>}` works for each of kvroute's policies: the router's core
