@@ -170,6 +170,28 @@ async def test_a_first_token_signal_from_the_ingress_thread_releases_the_prefill
 
 
 
+
+async def test_replicas_registered_before_their_first_kv_metrics_are_routable(router):
+    """A replica whose collector has registered it but whose engine sent no KvMetrics yet (idle, no
+    ranks) is a routing target like the others: kv_aware decides from the ledger alone and spreads."""
+    cands = [_replica(u) for u in "ab"]
+    reg = FleetRegistry()
+    for c in cands:
+        reg.report(WorkerReport(name=replica_worker_name(c.replica_id), url="", page_size=16, incarnation="i",
+                                healthy=True, ranks=[]))
+    f = router.follower
+    f.on_update(f.apply(reg.snapshot()))
+    f.connected, f.last_ok_at = True, time.monotonic()
+    assert all(rec.metrics is None for rec in f.workers.values())
+    picks = []
+    for i in range(4):
+        ranks = await router.choose_replicas(cands, _pending(f"r{i}", f"distinct prompt {i} " * 60))
+        assert len(ranks) == 2
+        picks.append(ranks[0][0].replica_id.unique_id)
+    assert set(picks) == {"a", "b"}, picks  # in-flight charges spread them
+    assert router.decisions == {"load": 4}
+
+
 async def test_a_request_cancelled_while_serve_routes_it_releases_its_charge(router):
     """The caller gives up after kvroute chose (Serve still probing or backing off): Serve cancels the
     request's routing future and reports nothing more — the charge made at the choice is released."""
