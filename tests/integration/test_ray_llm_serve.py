@@ -242,3 +242,86 @@ def test_streamed_first_tokens_reach_the_request_router_through_the_ingress(llm_
     wait_for(lambda: count() >= before + 5, 90, interval_s=2.0,
              what=f"5 first-token signals counted (had {before}, now {count()})")
 
+
+
+# --- adoption: the README's two lines on Ray's own example, and kvroute's examples (no cluster needed) ---
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+README_LINES = {  # README.md "Inside Ray Serve LLM"
+    "server_cls": "serve_app.ray_llm.server:KvrouteSGLangServer",
+    "request_router_config": {"request_router_class": "serve_app.ray_llm.request_router:KvRouteRequestRouter"},
+}
+
+
+def _rays_sglang_example_kwargs() -> dict:
+    """The `LLMConfig(...)` keywords of Ray's own `ray/llm/examples/sglang/serve_sglang_example.py`, read
+    from its source (importing it would start Serve)."""
+    import ast
+    import pathlib
+
+    import ray
+
+    path = pathlib.Path(ray.__file__).parent / "llm" / "examples" / "sglang" / "serve_sglang_example.py"
+    if not path.exists():
+        pytest.skip(f"Ray's SGLang example is not installed ({path})")
+    call = next(n for n in ast.walk(ast.parse(path.read_text()))
+                if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "LLMConfig")
+    kwargs = {k.arg: k.value for k in call.keywords}
+    assert isinstance(kwargs.pop("server_cls"), ast.Name)  # SGLangServer, the line kvroute replaces
+    return {k: ast.literal_eval(v) for k, v in kwargs.items()}
+
+
+def test_the_readmes_two_lines_turn_rays_own_sglang_example_into_a_kvroute_deployment():
+    from ray.serve.llm import LLMConfig, build_openai_app
+
+    from serve_app.ray_llm.request_router import KvRouteRequestRouter
+    from serve_app.ray_llm.server import KvrouteSGLangServer
+
+    kwargs = _rays_sglang_example_kwargs()
+    kwargs["server_cls"] = README_LINES["server_cls"]                                          # line 1
+    kwargs["deployment_config"]["request_router_config"] = README_LINES["request_router_config"]  # line 2
+    cfg = LLMConfig(**kwargs)
+    assert cfg.server_cls is KvrouteSGLangServer
+    build_openai_app({"llm_configs": [cfg]})  # Ray validates and builds it as it would for serve run
+    from ray.serve.config import RequestRouterConfig
+
+    rrc = RequestRouterConfig(**cfg.deployment_config["request_router_config"])
+    assert rrc.get_request_router_class() is KvRouteRequestRouter
+
+
+def test_the_python_example_builds_with_the_real_and_the_simulated_server(monkeypatch):
+    import importlib.util
+
+    from serve_app.ray_llm.server import KvrouteSGLangServer, SimSGLangServer
+
+    for sim, cls in (("0", KvrouteSGLangServer), ("1", SimSGLangServer)):
+        monkeypatch.setenv("SIM", sim)
+        spec = importlib.util.spec_from_file_location(f"kvroute_example_{sim}",
+                                                      ROOT / "examples" / "ray_llm" / "serve_sglang_kvroute.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)  # builds the app (build_openai_app), starts nothing
+        assert mod.llm_config.server_cls is cls
+        rrc = mod.llm_config.deployment_config["request_router_config"]
+        assert rrc["request_router_class"] == README_LINES["request_router_config"]["request_router_class"]
+
+
+def test_the_serve_deploy_example_validates_and_builds():
+    import yaml
+    from ray.serve.llm import build_openai_app
+    from ray.serve.schema import ServeDeploySchema
+
+    from serve_app.ray_llm.server import KvrouteSGLangServer
+
+    raw = yaml.safe_load((ROOT / "examples" / "ray_llm" / "serve_config.yaml").read_text())
+    ServeDeploySchema.model_validate(raw)
+    (app,) = raw["applications"]
+    assert app["import_path"] == "ray.serve.llm:build_openai_app"
+    (llm,) = app["args"]["llm_configs"]
+    assert llm["server_cls"] == README_LINES["server_cls"]
+    assert llm["deployment_config"]["request_router_config"] == README_LINES["request_router_config"]
+    built = build_openai_app(app["args"])
+    assert built is not None
+    from ray.serve.llm import LLMConfig
+
+    assert LLMConfig(**llm).server_cls is KvrouteSGLangServer
+
