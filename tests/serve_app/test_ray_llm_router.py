@@ -192,6 +192,42 @@ async def test_replicas_registered_before_their_first_kv_metrics_are_routable(ro
     assert router.decisions == {"load": 4}
 
 
+
+async def test_the_sweep_removes_only_this_deployments_down_replicas_that_serve_no_longer_has(router):
+    """A crashed replica cannot deregister itself and the aggregator keeps a down worker for good: the
+    router removes it once Serve's replica set no longer has it. A down replica Serve still lists (slow,
+    restarting), a live one Serve does not list yet (starting), and other deployments' workers stay."""
+    names = {u: replica_worker_name(_replica(u).replica_id) for u in ("crashed", "slow", "starting", "ok")}
+    other = "serve:other-app/SGLangServer:m/zz"
+    reg = FleetRegistry()
+    for u, n in names.items():
+        reg.report(WorkerReport(name=n, url="", page_size=16, incarnation="i", ranks=_ranks(),
+                                healthy=u not in ("crashed", "slow")))
+    reg.report(WorkerReport(name=other, url="", page_size=16, incarnation="i", healthy=False, ranks=_ranks()))
+    f = router.follower
+    f.on_update(f.apply(reg.snapshot()))
+    assert {n: r.state for n, r in f.workers.items()}[names["crashed"]] == "down"
+
+    removed_at_aggregator: list[str] = []
+
+    async def _remove(name: str) -> bool:
+        removed_at_aggregator.append(name)
+        return True
+
+    fake = SimpleNamespace(remove=SimpleNamespace(remote=_remove))
+
+    async def _resolve():
+        return fake
+
+    router._resolve_aggregator = _resolve
+    serve_has = {names["slow"], names["ok"]}
+    assert await router.sweep(serve_has) == [names["crashed"]]
+    assert removed_at_aggregator == [names["crashed"]] and router.swept == 1
+    removed_at_aggregator.clear()
+    assert await router.sweep(set(names.values())) == []  # every down one still a Serve replica
+    assert not removed_at_aggregator
+
+
 async def test_a_request_cancelled_while_serve_routes_it_releases_its_charge(router):
     """The caller gives up after kvroute chose (Serve still probing or backing off): Serve cancels the
     request's routing future and reports nothing more — the charge made at the choice is released."""
