@@ -176,6 +176,10 @@ def test_a_restarted_replica_is_picked_up(llm_app):
         rounds += 1
     assert victim not in served
     assert new & set(served), (new, served, rounds)
+    # a crashed replica cannot deregister itself: the request router removes it from the fleet once it
+    # is down and Serve no longer lists it (its Ray gauges are then zeroed: the metrics test below)
+    wait_for(lambda: victim not in _fleet_names(f"serve:{APP}/"), 30, interval_s=0.5,
+             what="the crashed replica removed from kvroute's fleet")
 
 
 def test_kvroute_metrics_reach_rays_prometheus_under_the_dashboards_names(llm_app):
@@ -325,3 +329,25 @@ def test_the_serve_deploy_example_validates_and_builds():
 
     assert LLMConfig(**llm).server_cls is KvrouteSGLangServer
 
+
+def test_a_graceful_stop_deregisters_every_replica_at_once(llm_app):
+    """Serve's graceful stop calls the server's `__del__`: each replica leaves kvroute's fleet there and
+    then, never passing through `down` (which only a replica whose heartbeats stopped — a crash — shows
+    for `down_after_s` before its removal). Runs last: it deletes the module's app."""
+    from ray import serve
+
+    running = {n for n, s in _fleet_names(f"serve:{APP}/").items() if s != "down"}
+    assert len(running) >= REPLICAS
+    serve.delete(APP, _blocking=False)
+    seen: dict[str, set[str]] = {}
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 90:
+        cur = {n: s for n, s in _fleet_names(f"serve:{APP}/").items() if n in running}
+        for name, state in cur.items():
+            seen.setdefault(name, set()).add(state)
+        if not cur:
+            break
+        time.sleep(0.1)
+    left = running & set(_fleet_names(f"serve:{APP}/"))
+    assert not left, f"replicas still in the fleet 90 s after the app's deletion: {left}"
+    assert all("down" not in seen.get(n, set()) for n in running), seen
