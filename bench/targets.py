@@ -81,7 +81,8 @@ PREFIX_NOTES = (
     "DeploymentHandle, as Ray Serve LLM's ingress calls LLMServer. Chunks are relayed batched like "
     f"kvroute's (first at once, then every {STREAM_BATCHING_MS:g} ms; Ray Serve LLM batches every 50 ms). "
     "Its prefix tree actor is called with "
-    "blocking ray.get inside the router, as shipped."
+    "blocking ray.get inside the router, as shipped. The ingress signals each reply's first chunk to the "
+    "request routers of its process as kvroute's OpenAiIngress does (only kvroute's router listens)."
 )
 
 
@@ -222,12 +223,22 @@ class PrefixIngress:
             body = json.loads(raw)
         except ValueError:
             return JSONResponse({"error": {"message": "invalid JSON"}}, status_code=400)
+        from ray.serve.context import _get_serve_request_context
+
+        from serve_app.ray_llm.first_token import first_token
+
+        # Serve's id of this request, the one the handle's request router saw (kvroute's, for ray-kvroute)
+        rid = _get_serve_request_context()._internal_request_id
         gen = self.engine.chat.remote(EngineRequest(body.get("messages"), raw, forward_headers(request.headers)))
         name, status, headers = await gen.__anext__()
         headers = {**headers, "x-bench-worker": name}
 
         async def relay() -> AsyncIterator[bytes]:
+            first = True
             async for chunk in gen:
+                if first and rid:  # the first token arrived (the relay's first chunk carries it): tell the
+                    first = False  # routers of this process, as kvroute's OpenAiIngress does (no-op for others)
+                    first_token(rid)
                 yield chunk
 
         return StreamingResponse(relay(), status_code=status, headers=headers,

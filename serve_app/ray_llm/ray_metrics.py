@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from actors.ingest import MetricsBook
@@ -41,6 +41,14 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "kvroute_worker_running_requests": ("gauge", "Reported running requests", ("deployment", "worker")),
     "kvroute_worker_waiting_requests": ("gauge", "Reported queued requests", ("deployment", "worker")),
     "kvroute_worker_kv_usage_ratio": ("gauge", "Reported KV cache use (0..1)", ("deployment", "worker")),
+    # an attention-DP replica's ranks (the per-worker series above sum them, KV use token-weighted); SGLang's
+    # in-engine DP controller picks the rank, so there is no per-rank in-flight series here
+    "kvroute_worker_rank_running_requests": ("gauge", "Reported running requests of one attention-DP rank "
+                                             "(replicas with dp_size > 1 only)", ("deployment", "worker", "rank")),
+    "kvroute_worker_rank_waiting_requests": ("gauge", "Reported queued requests of one attention-DP rank "
+                                             "(replicas with dp_size > 1 only)", ("deployment", "worker", "rank")),
+    "kvroute_worker_rank_kv_usage_ratio": ("gauge", "Reported KV cache use (0..1) of one attention-DP rank "
+                                           "(replicas with dp_size > 1 only)", ("deployment", "worker", "rank")),
     "kvroute_worker_metrics_age_seconds": ("gauge", "Age of the replica's newest KvMetrics (-1: none yet)",
                                            ("deployment", "worker")),
     "kvroute_worker_exact_blocks": ("gauge", "Blocks of the replica's prefix cache in this router's exact index "
@@ -83,15 +91,24 @@ def _make(name: str) -> Any:
 
 
 class RouterExporter:
-    """The request router's figures: decisions as they happen, the fleet as gauges every `period_s`."""
+    """The request router's figures: decisions as they happen, the fleet as gauges every `period_s`.
 
-    def __init__(self, core: "RouterCore", deployment: str, period_s: float = 1.0) -> None:
+    Ray's gauges keep a tag set's last value for as long as the exporting process lives (there is no
+    way to drop one), and the router lives as long as its ingress replica — while the replicas it
+    routes come and go. So a worker that leaves the fleet gets its gauges zeroed once (no state is 1,
+    metrics age and exact blocks -1): the dashboard keeps only workers with a state of 1, and a
+    replaced replica no longer shows as `live` (or `down`) beside its replacement for ever."""
+
+    def __init__(self, core: "RouterCore", deployment: str, period_s: float = 1.0,
+                 make: Callable[[str], Any] | None = None) -> None:
         self.core = core
         self.deployment = deployment
         self.period_s = period_s
-        self._m = {n: _make(n) for n in METRICS if n.startswith(("kvroute_router", "kvroute_worker", "kvroute_snap",
-                                                                 "kvroute_aggregator"))}
+        make = make or _make
+        self._m = {n: make(n) for n in METRICS if n.startswith(("kvroute_router", "kvroute_worker", "kvroute_snap",
+                                                                "kvroute_aggregator"))}
         self._task: asyncio.Task | None = None
+        self._shown: dict[str, set[str]] = {}  # worker → rank labels exported (none: one rank), until it leaves
 
     def on_decision(self, policy: str, reason: str, seconds: float) -> None:
         tags = {"deployment": self.deployment}
@@ -116,7 +133,10 @@ class RouterExporter:
     def export_fleet(self) -> None:
         m, dep, core = self._m, self.deployment, self.core
         now = time.monotonic()
-        for rec in core.follower.workers.values():
+        fleet = core.follower.workers
+        for name in [n for n in self._shown if n not in fleet]:
+            self._clear(name, self._shown.pop(name))
+        for rec in fleet.values():
             t = {"deployment": dep, "worker": rec.name}
             met = rec.metrics or {}
             m["kvroute_worker_in_flight_requests"].set(core.in_flight(rec.name), tags=t)
@@ -130,9 +150,33 @@ class RouterExporter:
                 core.exact.blocks(rec.name) if kvf is not None and rec.name in kvf.synced else -1.0, tags=t)
             for s in _STATES:
                 m["kvroute_worker_state"].set(1.0 if rec.state == s else 0.0, tags={**t, "state": s})
+            shown = self._shown.setdefault(rec.name, set())
+            for i, rm in enumerate(rec.ranks if len(rec.ranks) > 1 else ()):
+                rank = str(rm.get("data_parallel_rank", i))
+                rt = {**t, "rank": rank}
+                m["kvroute_worker_rank_running_requests"].set(rm.get("request_active_slots", 0), tags=rt)
+                m["kvroute_worker_rank_waiting_requests"].set(rm.get("num_requests_waiting", 0), tags=rt)
+                m["kvroute_worker_rank_kv_usage_ratio"].set(rm.get("gpu_cache_usage_perc", 0.0), tags=rt)
+                shown.add(rank)
         age = core.follower.snapshot_age_s()
         m["kvroute_snapshot_age_seconds"].set(-1.0 if age is None else age, tags={"deployment": dep})
         m["kvroute_aggregator_reachable"].set(1.0 if core.follower.connected else 0.0, tags={"deployment": dep})
+
+    def _clear(self, worker: str, ranks: set[str]) -> None:
+        """A worker gone from the fleet: every gauge of it at its "not there" value (see the class docstring)."""
+        m, t = self._m, {"deployment": self.deployment, "worker": worker}
+        for name in ("kvroute_worker_in_flight_requests", "kvroute_worker_running_requests",
+                     "kvroute_worker_waiting_requests", "kvroute_worker_kv_usage_ratio"):
+            m[name].set(0.0, tags=t)
+        m["kvroute_worker_metrics_age_seconds"].set(-1.0, tags=t)
+        m["kvroute_worker_exact_blocks"].set(-1.0, tags=t)
+        for s in _STATES:
+            m["kvroute_worker_state"].set(0.0, tags={**t, "state": s})
+        for rank in ranks:
+            rt = {**t, "rank": rank}
+            for name in ("kvroute_worker_rank_running_requests", "kvroute_worker_rank_waiting_requests",
+                         "kvroute_worker_rank_kv_usage_ratio"):
+                m[name].set(0.0, tags=rt)
 
     async def stop(self) -> None:
         if self._task is not None:

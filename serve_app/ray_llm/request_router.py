@@ -24,6 +24,14 @@ A replica whose log is not followed yet (starting, restarting, its actor unreach
 approximate overlap — what this router sent there — and the load terms; once followed, its overlap
 is what its engine reports caching. A log outage never errors: the follower retries with backoff.
 
+Crashed replicas leave the fleet through the router: a replica stopped gracefully deregisters itself
+(`KvrouteSGLangServer.__del__`), but a crashed one cannot, and the aggregator keeps a worker whose
+heartbeats stopped as `down` for good (a fleet file's worker comes back under its name; a Serve replica
+never does — its replacement has a new id). So every `sweep_s` the router removes from the aggregator
+this deployment's `serve:` workers that are `down` and no longer among Serve's replicas (Serve's own
+record of which replicas exist). A replica that is merely slow is still a Serve replica and stays; one
+removed by mistake re-registers with its next heartbeat.
+
 Degrades, never fails: a request without a prompt, a fleet with none of the candidates yet, an
 aggregator silent for `stale_after_s`, or no routable worker → every candidate in one rank, which
 Serve load-balances (power of two choices on queue length). Replicas not yet registered join the
@@ -49,7 +57,7 @@ from serve_app.policies import NoWorkerAvailable
 from serve_app.policies.base import RouteRequest
 from serve_app.ray_llm import first_token
 from serve_app.ray_llm.chat_render import rendered_chat_ids, serve_tokenizer
-from serve_app.ray_llm.names import ROUTING_STATS_KEY, replica_worker_name
+from serve_app.ray_llm.names import ROUTING_STATS_KEY, replica_worker_name, worker_name
 from serve_app.ray_llm.ranking import request_body, reason_label, split_ranks
 from serve_app.request_facts import InvalidRequestBody, facts_from_body
 from serve_app.router import RouterCore
@@ -71,6 +79,7 @@ class KvRouteRequestRouter(RequestRouter):
         ray_metrics: bool = True,
         tokenizer: str | None = None,
         render_chat: bool = True,
+        sweep_s: float = 2.0,
     ) -> None:
         """`request_router_kwargs`: `policy` (any kvroute policy name), `router` (RouterConfig fields,
         e.g. `{"kv_aware": {"tolerance": 0.2}}`), `settings` (metrics-plane Settings), how long the
@@ -78,12 +87,16 @@ class KvRouteRequestRouter(RequestRouter):
         kvroute's figures through `ray.util.metrics`, `tokenizer` (RouterConfig's: `sim` or
         `hf:<dir>` turns on exact prefix mode; `router.block_size` must be the engines' page size) and
         `render_chat` (exact mode: chat prompts reach SGLang as Ray's SGLangServer renders them; false
-        when the replicas forward OpenAI bodies to SGLang's HTTP server). Raises ValueError on a bad value."""
+        when the replicas forward OpenAI bodies to SGLang's HTTP server), and how often crashed replicas
+        are removed from the fleet (`sweep_s`; 0: never). Raises ValueError on a bad value."""
         self.config = RouterConfig.model_validate({**(router or {}), "policy": policy,
                                                    **({"tokenizer": tokenizer} if tokenizer is not None else {})})
         self.settings = Settings.model_validate(settings or {})
         self._chat_tokenizer = serve_tokenizer(self.config.tokenizer) if render_chat else None
         self.stale_after_s = float(stale_after_s)
+        self.sweep_s = float(sweep_s)
+        self.swept = 0  # crashed replicas this router removed from the fleet
+        self._sweeper: asyncio.Task | None = None
         self.router_id = f"serve-router-{uuid.uuid4().hex[:8]}"
         self.follower = FleetFollower(
             self._resolve_aggregator,
@@ -129,6 +142,8 @@ class KvRouteRequestRouter(RequestRouter):
             self.follower.start()
             if self.exporter is not None:
                 self.exporter.start()
+            if self.sweep_s > 0:
+                self._sweeper = self._loop.create_task(self._sweep_loop())
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -136,6 +151,40 @@ class KvRouteRequestRouter(RequestRouter):
             self._ensure_started()
         except RuntimeError:  # no running loop here: the first choose_replicas starts it
             pass
+
+    # --- crashed replicas out of the fleet -------------------------------------------------------
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_s)
+            if not self.curr_replicas:  # Serve has not told this router its replicas yet
+                continue
+            try:
+                await self.sweep({replica_worker_name(rid) for rid in self.curr_replicas})
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the aggregator is away: the next sweep tries again
+                logger.debug("sweep of crashed replicas failed: %s", exc)
+
+    async def sweep(self, serve_replicas: set[str]) -> list[str]:
+        """Remove from the aggregator this deployment's `serve:` workers that are `down` and not among
+        `serve_replicas` (the worker names of Serve's current replicas). Returns the names removed."""
+        d = self._deployment_id
+        if d is None:
+            return []
+        prefix = worker_name(d.app_name or "", d.name, "")
+        gone = [n for n, rec in self.follower.workers.items()
+                if n.startswith(prefix) and rec.state == "down" and n not in serve_replicas]
+        if not gone:
+            return []
+        aggregator = await self._resolve_aggregator()
+        removed = []
+        for name in gone:
+            if await aggregator.remove.remote(name):
+                removed.append(name)
+                logger.info("worker %s: its Serve replica is gone and it is down: removed from the fleet", name)
+        self.swept += len(removed)
+        return removed
 
     # --- the decision ---------------------------------------------------------------------------
 
@@ -208,12 +257,17 @@ class KvRouteRequestRouter(RequestRouter):
         except NoWorkerAvailable:
             self._count("no_worker", policy, t0)
             return [candidate_replicas]
-        if len(self._charged) >= _FACTS_CAP:
+        if len(self._charged) >= _FACTS_CAP:  # choices Serve never followed up: release, then forget
+            for stale in self._charged:
+                self.core.ledger.on_failed(stale)
             self._charged.clear()
         # charged now, not when Serve reports the request routed (after the replica accepted it):
         # in a burst every routing task would otherwise decide on the same empty ledger
         self.core.on_routed(rid, facts, decision.worker)
         self._charged[rid] = (facts, decision.worker)
+        future = getattr(pending_request, "future", None)
+        if future is not None:
+            future.add_done_callback(lambda f, rid=rid: self._choice_settled(rid, f))
         self._count(reason_label(facts, decision.worker), policy, t0)
         return split_ranks(by_name, decision.worker, set(known))
 
@@ -246,7 +300,20 @@ class KvRouteRequestRouter(RequestRouter):
             if self.exporter is not None:
                 self.exporter.on_first_token()
 
+    def _choice_settled(self, rid: str, future: Any) -> None:
+        """The request's routing future is done. Cancelled (the caller gave up while Serve was still
+        routing it) or failed: Serve sends it nowhere and reports nothing more, so the charge made
+        when it was chosen is released here. Fulfilled: `on_request_routed` follows (or, on paths
+        without the replica's accept, `on_request_completed`)."""
+        if (future.cancelled() or future.exception() is not None) and self._charged.pop(rid, None) is not None:
+            self.core.ledger.on_failed(rid)
+
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        # Ray calls this for every dispatched request (success, error or cancel), a dead replica's too
-        if self._routed.pop(internal_request_id, None) is not None:
+        # Ray calls this for every dispatched request (success, error or cancel), a dead replica's too.
+        # A request it dispatched without reporting it routed is still in `_charged`: Serve's sends
+        # without the replica's accept (Ray Client; the handle's `choose_replica`/`dispatch` API, which
+        # Ray Serve LLM's prefill/decode pattern uses) never call `on_request_routed`, and a send that
+        # raised before its completion callback was registered reports only this.
+        if (self._routed.pop(internal_request_id, None) is not None
+                or self._charged.pop(internal_request_id, None) is not None):
             self.core.ledger.on_finished(internal_request_id)

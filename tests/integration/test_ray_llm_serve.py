@@ -176,11 +176,17 @@ def test_a_restarted_replica_is_picked_up(llm_app):
         rounds += 1
     assert victim not in served
     assert new & set(served), (new, served, rounds)
+    # a crashed replica cannot deregister itself: the request router removes it from the fleet once it
+    # is down and Serve no longer lists it (its Ray gauges are then zeroed: the metrics test below)
+    wait_for(lambda: victim not in _fleet_names(f"serve:{APP}/"), 30, interval_s=0.5,
+             what="the crashed replica removed from kvroute's fleet")
 
 
 def test_kvroute_metrics_reach_rays_prometheus_under_the_dashboards_names(llm_app):
     """Every series `deploy/grafana/kvroute-ray.json` may query is in the Ray node's own Prometheus
     export (ray.util.metrics; no new scrape target)."""
+    import re
+
     import ray
 
     from serve_app.ray_llm.ray_metrics import prometheus_names
@@ -192,7 +198,8 @@ def test_kvroute_metrics_reach_rays_prometheus_under_the_dashboards_names(llm_ap
                 "messages": [{"role": "user", "content": f"metrics {i} " * 40}]}) as r:
             assert r.status_code == 200
             r.read()
-    want = prometheus_names()
+    # every series but the attention-DP ranks' (these replicas run one rank each; tests/serve_app covers them)
+    want = {n for n in prometheus_names() if not n.startswith("ray_kvroute_worker_rank_")}
     seen: set[str] = set()
 
     def exported() -> bool:
@@ -201,6 +208,17 @@ def test_kvroute_metrics_reach_rays_prometheus_under_the_dashboards_names(llm_ap
         return want <= seen
 
     wait_for(exported, 90, interval_s=2.0, what=f"kvroute's metrics in Ray's Prometheus (missing: {want - seen})")
+
+    # Ray keeps a gauge's last value for the router's lifetime: a replica gone from the fleet (the one
+    # test_a_restarted_replica_is_picked_up killed, when run before) must be in no state there
+    state_re = re.compile(r'^ray_kvroute_worker_state\{.*worker="([^"]+)".*\} 1(\.0)?$')
+
+    def shown_workers_are_in_the_fleet() -> bool:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        shown = {m.group(1) for line in text.splitlines() if (m := state_re.match(line))}
+        return bool(shown) and shown <= set(_fleet_names())
+
+    wait_for(shown_workers_are_in_the_fleet, 30, interval_s=1.0, what="no departed replica shown in a state")
 
 
 def test_streamed_first_tokens_reach_the_request_router_through_the_ingress(llm_app):
@@ -227,3 +245,109 @@ def test_streamed_first_tokens_reach_the_request_router_through_the_ingress(llm_
             r.read()
     wait_for(lambda: count() >= before + 5, 90, interval_s=2.0,
              what=f"5 first-token signals counted (had {before}, now {count()})")
+
+
+
+# --- adoption: the README's two lines on Ray's own example, and kvroute's examples (no cluster needed) ---
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+README_LINES = {  # README.md "Inside Ray Serve LLM"
+    "server_cls": "serve_app.ray_llm.server:KvrouteSGLangServer",
+    "request_router_config": {"request_router_class": "serve_app.ray_llm.request_router:KvRouteRequestRouter"},
+}
+
+
+def _rays_sglang_example_kwargs() -> dict:
+    """The `LLMConfig(...)` keywords of Ray's own `ray/llm/examples/sglang/serve_sglang_example.py`, read
+    from its source (importing it would start Serve)."""
+    import ast
+    import pathlib
+
+    import ray
+
+    path = pathlib.Path(ray.__file__).parent / "llm" / "examples" / "sglang" / "serve_sglang_example.py"
+    if not path.exists():
+        pytest.skip(f"Ray's SGLang example is not installed ({path})")
+    call = next(n for n in ast.walk(ast.parse(path.read_text()))
+                if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "LLMConfig")
+    kwargs = {k.arg: k.value for k in call.keywords}
+    assert isinstance(kwargs.pop("server_cls"), ast.Name)  # SGLangServer, the line kvroute replaces
+    return {k: ast.literal_eval(v) for k, v in kwargs.items()}
+
+
+def test_the_readmes_two_lines_turn_rays_own_sglang_example_into_a_kvroute_deployment():
+    from ray.serve.llm import LLMConfig, build_openai_app
+
+    from serve_app.ray_llm.request_router import KvRouteRequestRouter
+    from serve_app.ray_llm.server import KvrouteSGLangServer
+
+    kwargs = _rays_sglang_example_kwargs()
+    kwargs["server_cls"] = README_LINES["server_cls"]                                          # line 1
+    kwargs["deployment_config"]["request_router_config"] = README_LINES["request_router_config"]  # line 2
+    cfg = LLMConfig(**kwargs)
+    assert cfg.server_cls is KvrouteSGLangServer
+    build_openai_app({"llm_configs": [cfg]})  # Ray validates and builds it as it would for serve run
+    from ray.serve.config import RequestRouterConfig
+
+    rrc = RequestRouterConfig(**cfg.deployment_config["request_router_config"])
+    assert rrc.get_request_router_class() is KvRouteRequestRouter
+
+
+def test_the_python_example_builds_with_the_real_and_the_simulated_server(monkeypatch):
+    import importlib.util
+
+    from serve_app.ray_llm.server import KvrouteSGLangServer, SimSGLangServer
+
+    for sim, cls in (("0", KvrouteSGLangServer), ("1", SimSGLangServer)):
+        monkeypatch.setenv("SIM", sim)
+        spec = importlib.util.spec_from_file_location(f"kvroute_example_{sim}",
+                                                      ROOT / "examples" / "ray_llm" / "serve_sglang_kvroute.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)  # builds the app (build_openai_app), starts nothing
+        assert mod.llm_config.server_cls is cls
+        rrc = mod.llm_config.deployment_config["request_router_config"]
+        assert rrc["request_router_class"] == README_LINES["request_router_config"]["request_router_class"]
+
+
+def test_the_serve_deploy_example_validates_and_builds():
+    import yaml
+    from ray.serve.llm import build_openai_app
+    from ray.serve.schema import ServeDeploySchema
+
+    from serve_app.ray_llm.server import KvrouteSGLangServer
+
+    raw = yaml.safe_load((ROOT / "examples" / "ray_llm" / "serve_config.yaml").read_text())
+    ServeDeploySchema.model_validate(raw)
+    (app,) = raw["applications"]
+    assert app["import_path"] == "ray.serve.llm:build_openai_app"
+    (llm,) = app["args"]["llm_configs"]
+    assert llm["server_cls"] == README_LINES["server_cls"]
+    assert llm["deployment_config"]["request_router_config"] == README_LINES["request_router_config"]
+    built = build_openai_app(app["args"])
+    assert built is not None
+    from ray.serve.llm import LLMConfig
+
+    assert LLMConfig(**llm).server_cls is KvrouteSGLangServer
+
+
+def test_a_graceful_stop_deregisters_every_replica_at_once(llm_app):
+    """Serve's graceful stop calls the server's `__del__`: each replica leaves kvroute's fleet there and
+    then, never passing through `down` (which only a replica whose heartbeats stopped — a crash — shows
+    for `down_after_s` before its removal). Runs last: it deletes the module's app."""
+    from ray import serve
+
+    running = {n for n, s in _fleet_names(f"serve:{APP}/").items() if s != "down"}
+    assert len(running) >= REPLICAS
+    serve.delete(APP, _blocking=False)
+    seen: dict[str, set[str]] = {}
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 90:
+        cur = {n: s for n, s in _fleet_names(f"serve:{APP}/").items() if n in running}
+        for name, state in cur.items():
+            seen.setdefault(name, set()).add(state)
+        if not cur:
+            break
+        time.sleep(0.1)
+    left = running & set(_fleet_names(f"serve:{APP}/"))
+    assert not left, f"replicas still in the fleet 90 s after the app's deletion: {left}"
+    assert all("down" not in seen.get(n, set()) for n in running), seen
