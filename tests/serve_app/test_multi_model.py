@@ -200,6 +200,7 @@ def test_an_unknown_model_is_openais_404_model_not_found_listing_the_served_ones
     body = json.loads(e.body())
     assert e.status == 404 and body["error"]["code"] == "model_not_found"
     assert body["error"]["type"] == "invalid_request_error"
+    assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["param"] is None  # OpenAI's shape
     assert body["error"]["message"].endswith("served: A, B, b-alias") and "'C'" in body["error"]["message"]
     with pytest.raises(HttpError) as err:
         fwd.routing_input(req, chat(None, "hello"))  # type: ignore[arg-type]
