@@ -277,6 +277,12 @@ class RouterCore:
             raise UnknownModel(name, self.served_models())
         return name
 
+    def metric_model(self, model: str | None) -> str:
+        """The `model` label of a request's metrics: its model when some worker declares it, else ""
+        (a label never takes a client's arbitrary name: an undeclared name only model-agnostic
+        workers take is routed, but not counted under its own name)."""
+        return model if model is not None and model in self._by_model else ""
+
     def serving(self, model: str) -> set[str]:
         """The workers a request for `model` may go to: those declaring it and the model-agnostic ones."""
         declared = self._by_model.get(model)

@@ -238,6 +238,23 @@ def test_workers_json_healthz_and_prometheus_show_each_workers_models():
                      'kvroute_worker_model{model="b",worker="b0"} 1.0']
 
 
+def test_the_request_counter_carries_the_declared_model_and_never_an_arbitrary_name():
+    core, clock = make_core({"a0": ["A"], "u": []})
+    put(core, clock, "a0", ["A"], state="down")
+    put(core, clock, "u", [], state="down")
+    fwd = _forwarder(core)
+    req = SimpleNamespace(headers={})
+    for name in ("A", "client-made-up-name"):  # the second only the model-agnostic worker may take
+        body = chat(name, "hello")
+        with pytest.raises(HttpError) as err:
+            asyncio.run(fwd.forward(req, None, "/v1/chat/completions", json.dumps(body).encode(), body))  # type: ignore[arg-type]
+        assert err.value.status == 503
+    text = fwd.metrics.render().decode()
+    lines = sorted(line for line in text.splitlines() if line.startswith("kvroute_requests_total{"))
+    assert lines == ['kvroute_requests_total{model="",outcome="no_worker",policy="kv_aware",worker=""} 1.0',
+                     'kvroute_requests_total{model="A",outcome="no_worker",policy="kv_aware",worker=""} 1.0']
+
+
 def test_the_models_travel_from_the_report_through_the_registry_and_delta_to_the_follower():
     reg = FleetRegistry(Settings(), clock=Clock())
     rank = [RankMetrics(0, 8, 0, 100, 0, 0.0, 0.0, 0, 0.0, 1)]
