@@ -157,7 +157,7 @@ def test_prefill_side_follows_the_prefix_and_decode_side_the_load():
     assert core.ledger.in_flight(first.worker) == 7 and core.ledger.in_flight("d0") + core.ledger.in_flight("d1") == 7
 
 
-def test_no_decode_worker_is_a_503_that_says_so():
+def test_no_decode_or_no_prefill_worker_is_a_503_that_names_the_side():
     core, clock = make_core()
     put(core, clock, "p0", "prefill")
     with pytest.raises(NoWorkerAvailable, match="no routable decode worker.*role: decode"):
@@ -172,6 +172,14 @@ def test_no_decode_worker_is_a_503_that_says_so():
     put(core2, clock2, "p0", "prefill", state="down")
     with pytest.raises(NoWorkerAvailable, match="prefill"):
         decide_pair(core2, core2.facts(chat("x")), None, None)
+    # no prefill worker at all: the client's 503 names the missing side
+    core3, clock3 = make_core()
+    put(core3, clock3, "d0", "decode")
+    with pytest.raises(HttpError) as err:
+        asyncio.run(_forwarder(core3, None).forward(_request(), _Sink(), "/v1/chat/completions", b"{}", chat("x")))
+    msg = json.loads(err.value.body())["error"]["message"]
+    assert err.value.status == 503 and "no routable prefill worker" in msg and "role: prefill" in msg, msg
+    assert core3.ledger.in_flight("d0") == 0
 
 
 def test_only_the_models_pd_workers_pair_and_other_models_route_as_before():
