@@ -213,6 +213,22 @@ def test_a_prefix_cached_on_a_model_b_worker_never_attracts_a_model_a_request():
     assert request.overlap.get("b0", 0) > 0  # while B's own affinity is there
 
 
+def test_a_models_aliases_share_its_prefix_affinity_and_other_models_still_do_not():
+    core, _ = make_core({"b0": ["B", "b-alias"], "b1": ["b-alias", "B"], "a0": ["A"]}, policy="kv_aware")
+    system = "a long shared system prompt " * 300
+    t = core.route(core.facts(chat("B", system, "q0")), model="B")
+    t.finished()
+    _, request = core.decide(core.facts(chat("b-alias", system)), model="b-alias")
+    assert request.overlap.get(t.worker, 0) > 0  # the same model: the cache a B request filled
+    _, request = core.decide(core.facts(chat("A", system)), model="A")
+    assert not any(request.overlap.values())
+    # a chain of aliases over several workers is one model; a single model under two names is unsalted
+    from serve_app.router import _alias_roots
+    assert _alias_roots([("x", "y"), ("z", "y"), ("q",)]) == {"x": "x", "y": "x", "z": "x", "q": "q"}
+    solo, _ = make_core({"s0": ["S", "s-alias"]})
+    assert solo._prefix_keys((1, 2), "s-alias") == (1, 2)
+
+
 def test_round_robin_cycles_each_models_workers_when_the_models_requests_arrive_in_turn():
     """One cycle per model: with a cycle shared by both models, A and B requests arriving
     alternately would send every A request to the same A worker (seen as kvroute round_robin's
