@@ -74,9 +74,12 @@ class HealthProbe:
             return
         self._timeouts = 0
         if code == 200:
-            self.set(True, "ok")
             if not self.models and self._discover:
+                # asked before it is reported healthy: a report in between (the actor pushes one as
+                # soon as it is woken) would show a healthy worker with no model — a candidate for
+                # every model's requests until its list arrived
                 await self._ask_models(url)
+            self.set(True, "ok")
         else:
             self.set(False, f"/health returned {code}")
 

@@ -49,6 +49,30 @@ def test_an_unhealthy_or_timing_out_worker_is_probed_every_interval_whatever_its
     assert p2.due(heard_at=100.9) == 101.0  # its model list is still to be discovered
 
 
+def test_attach_discovery_asks_for_the_model_list_before_the_worker_is_reported_healthy():
+    """Never a healthy worker with no model in between (it would take every model's requests)."""
+    seen: list[bool] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            seen.append(probe.healthy)
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "model-B", "object": "model"}]})
+        return httpx.Response(200)
+
+    async def go(p: HealthProbe) -> None:
+        await p.probe("http://w:1")
+
+    probe = HealthProbe("w", Settings(), httpx.AsyncClient(transport=httpx.MockTransport(handler)), lambda: None,
+                        models=[], discover=True)
+    asyncio.run(go(probe))
+    assert seen == [False] and probe.healthy and probe.models == ["model-B"]
+    # a worker whose /v1/models gives no list still becomes healthy, declaring no model (documented)
+    probe = HealthProbe("w", Settings(), httpx.AsyncClient(transport=httpx.MockTransport(
+        lambda r: httpx.Response(404 if r.url.path == "/v1/models" else 200))), lambda: None, models=[], discover=True)
+    asyncio.run(go(probe))
+    assert probe.healthy and probe.models == []
+
+
 class InProcessHost:
     """`NodeHosting` feeding a registry in-process, as the aggregator hosts its own node's workers."""
 
