@@ -15,6 +15,19 @@ from actors.models import Settings
 
 logger = logging.getLogger("kvroute.worker")
 
+# A pooled probe connection idle this long is not reused. SGLang's server (uvicorn, as the sim's) closes
+# idle keep-alive connections after 5 s (SGLANG_TIMEOUT_KEEP_ALIVE), and a busy worker is probed every
+# `health_busy_interval_s` (5 s): with httpx's own 5 s expiry the probe was sent on a connection the
+# server was closing at that moment — "Server disconnected" — and the worker was marked down for a
+# probe interval while it served (2.5 % of busy probes under the pd suite's load; with 4 s, none).
+_PROBE_KEEPALIVE_S = 4.0
+
+
+def probe_client(settings: Settings) -> httpx.AsyncClient:
+    """The pooled HTTP client of a host's /health probes (and attach-mode model discovery)."""
+    return httpx.AsyncClient(timeout=settings.health_timeout_s,
+                             limits=httpx.Limits(keepalive_expiry=_PROBE_KEEPALIVE_S))
+
 
 class HealthProbe:
     """`healthy`/`detail` of worker `name`, and the model names it serves (`models`: as declared,
@@ -62,7 +75,7 @@ class HealthProbe:
             self.set(False, "no url yet")
             return
         try:
-            code = (await self._http.get(f"{url}/health")).status_code
+            code = await self._get_health(url)
         except httpx.TimeoutException:
             self._timeouts += 1
             if self._timeouts >= self.settings.health_timeouts_before_down:
@@ -74,11 +87,26 @@ class HealthProbe:
             return
         self._timeouts = 0
         if code == 200:
-            self.set(True, "ok")
             if not self.models and self._discover:
+                # asked before it is reported healthy: a report in between (the actor pushes one as
+                # soon as it is woken) would show a healthy worker with no model — a candidate for
+                # every model's requests until its list arrived
                 await self._ask_models(url)
+            self.set(True, "ok")
         else:
             self.set(False, f"/health returned {code}")
+
+    async def _get_health(self, url: str) -> int:
+        """GET /health's status. A connection error is asked once more on a fresh connection before it
+        counts: a pooled connection the worker closed as it was reused (a keep-alive shorter than the
+        client's) fails like a dead worker, and a dead worker refuses the second one as fast."""
+        try:
+            return (await self._http.get(f"{url}/health")).status_code
+        except httpx.TimeoutException:
+            raise
+        except httpx.HTTPError as exc:
+            logger.debug("worker %s: /health %s, asking once more", self.name, type(exc).__name__)
+        return (await self._http.get(f"{url}/health")).status_code
 
     async def _ask_models(self, url: str) -> None:
         """Attach mode without `served_model_names`: what the worker's `GET /v1/models` lists (asked at

@@ -25,7 +25,7 @@ import zmq.asyncio
 
 from actors.endpoint import _ipc_path, bind_pull
 from actors.fleet import WorkerSpec
-from actors.health import HealthProbe
+from actors.health import HealthProbe, probe_client
 from actors.host_pipe import HostPipe
 from actors.ingest import MetricsBook
 from actors.models import NAMESPACE, Settings
@@ -124,7 +124,7 @@ class NodeHosting:
         self.settings = settings
         self.link = link
         self._ctx = ctx
-        self._http = httpx.AsyncClient(timeout=settings.health_timeout_s)
+        self._http = probe_client(settings)
         self._deregister = deregister
         self._remember = remember
         self.pipe = HostPipe(host, link, settings, heartbeat_s=getattr(link, "heartbeat_s", None))

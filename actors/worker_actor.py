@@ -10,7 +10,6 @@ import time
 import uuid
 from typing import Any
 
-import httpx
 import ray
 import zmq
 import zmq.asyncio
@@ -19,7 +18,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from actors.aggregator import get_or_create_aggregator
 from actors.endpoint import EndpointError, _ipc_path, bind_pull  # noqa: F401  (callers import them here)
 from actors.fleet import WorkerSpec
-from actors.health import HealthProbe
+from actors.health import HealthProbe, probe_client
 from actors.ingest import MetricsBook
 from actors.kv_handshake import shows_prefill
 from actors.kv_log import KvLog
@@ -66,7 +65,7 @@ class WorkerActor:
         if self.spec.kv_events_endpoint:
             self._open_kv_subscription()  # before the engine starts: managed engines connect to us
         # one pooled client: SGLang's server keeps the connection alive, so a probe is one request
-        self._http = httpx.AsyncClient(timeout=self.settings.health_timeout_s)
+        self._http = probe_client(self.settings)
         # the model names it serves: as the fleet entry says, else (attach mode) its /v1/models once healthy
         self._health = HealthProbe(self.name, self.settings, self._http, self._wake.set,
                                    models=self.spec.declared_models, discover=not self.spec.managed)

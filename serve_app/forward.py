@@ -69,6 +69,7 @@ class Forwarder:
         if self.core.disaggregated(model):
             await self.pd.forward(request, send, path, body, facts, policy, model)
             return
+        label = self.core.metric_model(model)
         stream = body.get("stream") is True
         headers = forward_headers(request.headers)
         tried: set[str] = set()
@@ -84,7 +85,7 @@ class Forwarder:
                                          streamed=stream)
             except NoWorkerAvailable as exc:
                 if not failures:
-                    m.requests.labels(policy, "", "no_worker").inc()
+                    m.requests.labels(policy, label, "", "no_worker").inc()
                     raise no_worker(exc, self.breakers.blocked()) from None
                 break
             t0 = time.perf_counter()
@@ -124,16 +125,16 @@ class Forwarder:
                     continue
                 finally:
                     await up.close()
-                self._finished(ticket, t0, up.status_code, policy)
+                self._finished(ticket, t0, up.status_code, policy, label)
                 await send_body(send, up.status_code, content, content_type=None, headers=out_headers)
                 return
             if up.content_type:
                 out_headers.pop("content-type", None)
-            await send_stream(send, up.status_code, self._relay(up, ticket, t0, policy),
+            await send_stream(send, up.status_code, self._relay(up, ticket, t0, policy, label),
                               content_type=up.content_type or "text/event-stream", headers=out_headers,
                               last=lambda: up.at_eof)
             return
-        m.requests.labels(policy, "", "unavailable").inc()
+        m.requests.labels(policy, label, "", "unavailable").inc()
         raise HttpError(
             503,
             f"no worker could serve the request after {len(failures)} attempt(s): " + "; ".join(failures[-3:]),
@@ -148,18 +149,19 @@ class Forwarder:
             self.metrics.breaker_opened.labels(worker).inc()
             logger.warning("worker %s: circuit breaker opened", worker)
 
-    def _finished(self, ticket: RequestTicket, t0: float, status: int, policy: str) -> None:
+    def _finished(self, ticket: RequestTicket, t0: float, status: int, policy: str, model: str = "") -> None:
         ticket.finished()
         worker = ticket.worker
         self.breakers.on_success(worker)
         self.metrics.duration_seconds.labels(worker).observe(time.perf_counter() - t0)
-        self.metrics.requests.labels(policy, worker, "ok" if status < 400 else f"http_{status}").inc()
+        self.metrics.requests.labels(policy, model, worker, "ok" if status < 400 else f"http_{status}").inc()
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("routed to %s (%s), answered %d in %.1f ms", ticket.decision.target or worker,
                          ticket.decision.reason, status,
                          (time.perf_counter() - t0) * 1e3)
 
-    async def _relay(self, up: Upstream, ticket: RequestTicket, t0: float, policy: str) -> AsyncIterator[bytes]:
+    async def _relay(self, up: Upstream, ticket: RequestTicket, t0: float, policy: str,
+                     model: str = "") -> AsyncIterator[bytes]:
         """Pass SSE chunks through as they arrive; a break after the start ends with an error event."""
         worker = ticket.worker
         first = True
@@ -180,10 +182,10 @@ class Forwarder:
         finally:
             await up.close()
             if outcome == "ok":
-                self._finished(ticket, t0, up.status_code, policy)
+                self._finished(ticket, t0, up.status_code, policy, model)
             else:
                 self._failed(ticket, outcome == "broken")
-                self.metrics.requests.labels(policy, worker, outcome).inc()
+                self.metrics.requests.labels(policy, model, worker, outcome).inc()
 
     async def models(self, send: Send, workers: dict[str, Any]) -> None:
         """`GET /v1/models`: every model the fleet serves, from the fleet view (OpenAI's list shape).

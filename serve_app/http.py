@@ -30,7 +30,10 @@ class HttpError(Exception):
 
     def body(self) -> bytes:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return json.dumps({"error": {"message": self.message, "type": kind, "code": self.code}}).encode()
+        # OpenAI's error object has all four keys (`param` null where no one parameter is at fault):
+        # SDKs read `error.param`, and some clients match the whole shape
+        return json.dumps({"error": {"message": self.message, "type": kind, "param": None,
+                                     "code": self.code}}).encode()
 
 
 def no_worker(exc: Exception, open_breakers: Any) -> HttpError:

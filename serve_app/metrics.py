@@ -99,8 +99,10 @@ class RouterMetrics:
     def __init__(self, core: "RouterCore", breakers: "Breakers") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("kvroute_requests", "Requests by policy, worker and outcome",
-                                ["policy", "worker", "outcome"], registry=r)
+        # `model`: the model the request named, when some worker declares it ("" on a model-agnostic
+        # fleet, and for a name only model-agnostic workers take: never a label from arbitrary input)
+        self.requests = Counter("kvroute_requests", "Requests by policy, model, worker and outcome",
+                                ["policy", "model", "worker", "outcome"], registry=r)
         self.decision_seconds = Histogram(
             "kvroute_decision_seconds", "Time to choose a worker (policy + ledger + prefix lookup)",
             buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2), registry=r)

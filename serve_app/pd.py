@@ -211,12 +211,13 @@ class PdDispatch:
         tried: set[str] = set()
         failures: list[str] = []
         retry_after: str | None = None
+        label = fw.core.metric_model(model)
         for attempt in range(fw.config.max_attempts):
             try:
                 prefill, decode = route_pair(fw.core, facts, policy, model, tried | fw.breakers.blocked())
             except NoWorkerAvailable as exc:
                 if not failures:
-                    m.requests.labels(policy, "", "no_worker").inc()
+                    m.requests.labels(policy, label, "", "no_worker").inc()
                     raise no_worker(exc, fw.breakers.blocked()) from None
                 break
             port = fw.core.bootstrap_port(prefill.worker)
@@ -225,7 +226,7 @@ class PdDispatch:
             raws = pair_bodies(body, bootstrap_host(prefill.url), port, rooms, batch, p_rank, d_rank)
             hdrs = headers if p_rank is None and d_rank is None else pd_headers(headers)
             try:
-                await self._attempt(send, path, raws, hdrs, prefill, decode, policy, body.get("stream") is True)
+                await self._attempt(send, path, raws, hdrs, prefill, decode, policy, body.get("stream") is True, label)
                 return
             except _Retry as exc:
                 tried.add(exc.worker)
@@ -236,13 +237,14 @@ class PdDispatch:
                             attempt + 1, prefill.decision.target or prefill.worker,
                             decode.decision.target or decode.worker, rooms[0], exc)
                 await asyncio.sleep(min(0.5, 0.02 * (2**attempt)) * random.uniform(0.5, 1.5))
-        m.requests.labels(policy, "", "unavailable").inc()
+        m.requests.labels(policy, label, "", "unavailable").inc()
         raise HttpError(503, f"no prefill/decode pair could serve the request after {len(failures)} attempt(s): "
                         + "; ".join(failures[-3:]), code="upstream_unavailable",
                         headers={"retry-after": retry_after or "1"})
 
     async def _attempt(self, send: Send, path: str, raws: tuple[bytes, bytes], headers: dict[str, str],
-                       prefill: RequestTicket, decode: RequestTicket, policy: str, stream: bool) -> None:
+                       prefill: RequestTicket, decode: RequestTicket, policy: str, stream: bool,
+                       model: str = "") -> None:
         """One pair: both requests at once (`raws`: the prefill and the decode body); relay decode's
         answer once its first byte is in. Raises _Retry if either side fails before that (both
         tickets ended, both connections closed)."""
@@ -333,12 +335,12 @@ class PdDispatch:
             out_headers[PREFILL_RANK_HEADER] = str(prefill.decision.rank)
         if chunks is None:  # a whole body (non-streamed, or an error status)
             await up.close()
-            fw._finished(decode, t0, up.status_code, policy)
+            fw._finished(decode, t0, up.status_code, policy, model)
             await send_body(send, up.status_code, piece, content_type=None, headers=out_headers)
             return
         if up.content_type:
             out_headers.pop("content-type", None)
-        await send_stream(send, up.status_code, self._relay(piece, chunks, up, decode, t0, policy),
+        await send_stream(send, up.status_code, self._relay(piece, chunks, up, decode, t0, policy, model),
                           content_type=up.content_type or "text/event-stream", headers=out_headers)
 
     async def _prefill_call(self, ticket: RequestTicket, url: str, raw: bytes,
@@ -365,7 +367,7 @@ class PdDispatch:
         return up.status_code, up.headers(), body
 
     async def _relay(self, first: bytes, chunks: AsyncIterator[bytes], up: Upstream, ticket: RequestTicket,
-                     t0: float, policy: str) -> AsyncIterator[bytes]:
+                     t0: float, policy: str, model: str = "") -> AsyncIterator[bytes]:
         """The decode side's stream, its first piece already read; a break ends it with an error event."""
         outcome = "cancelled"
         try:
@@ -382,10 +384,10 @@ class PdDispatch:
         finally:
             await up.close()
             if outcome == "ok":
-                self.fw._finished(ticket, t0, up.status_code, policy)
+                self.fw._finished(ticket, t0, up.status_code, policy, model)
             else:
                 self.fw._failed(ticket, outcome == "broken")
-                self.fw.metrics.requests.labels(policy, ticket.worker, outcome).inc()
+                self.fw.metrics.requests.labels(policy, model, ticket.worker, outcome).inc()
 
     async def _settle_prefill(self, task: asyncio.Future[Any], ticket: RequestTicket) -> None:
         """The prefill answer after the decode side's first byte (its KV is in): end its ticket."""

@@ -484,5 +484,5 @@ class UpstreamClient:
 
 def sse_error_event(message: str, code: str = "upstream_failed") -> bytes:
     """How a stream that broke after it started ends: one OpenAI-style error event, then [DONE]."""
-    payload = json.dumps({"error": {"message": message, "type": "server_error", "code": code}})
+    payload = json.dumps({"error": {"message": message, "type": "server_error", "param": None, "code": code}})
     return f"data: {payload}\n\ndata: [DONE]\n\n".encode()

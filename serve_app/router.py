@@ -11,7 +11,7 @@ import random
 import time
 from dataclasses import replace
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from actors.models import KV_METRICS_FIELDS
 from serve_app.admission import Admission
@@ -110,6 +110,10 @@ class RouterCore:
         self._served: dict[str, tuple[str, ...]] = {}  # worker → its model names (absent: unknown)
         self._by_model: dict[str, set[str]] = {}  # model name → workers declaring it
         self._agnostic: set[str] = set()  # workers that declare no model: candidates for any
+        # model name → the name its prefix-index keys are salted with: one per alias class (names some
+        # worker declares together are one model); None: recomputed at the next use (`_alias_roots`)
+        self._key_names: dict[str, str] | None = {}
+        self._key_classes = 0  # how many distinct models (alias classes) the fleet declares
         self._roles: dict[str, tuple[str, int | None]] = {}  # PD role workers → (role, bootstrap port)
         self.fleet = FleetView()
         # per model group (a declared name; None: undeclared names → the model-agnostic workers): the
@@ -248,6 +252,7 @@ class RouterCore:
                     del self._by_model[m]
         for m in models:
             self._by_model.setdefault(m, set()).add(worker)
+        self._key_names = None
         if models:
             self._served[worker] = models
         else:
@@ -277,6 +282,12 @@ class RouterCore:
             raise UnknownModel(name, self.served_models())
         return name
 
+    def metric_model(self, model: str | None) -> str:
+        """The `model` label of a request's metrics: its model when some worker declares it, else ""
+        (a label never takes a client's arbitrary name: an undeclared name only model-agnostic
+        workers take is routed, but not counted under its own name)."""
+        return model if model is not None and model in self._by_model else ""
+
     def serving(self, model: str) -> set[str]:
         """The workers a request for `model` may go to: those declaring it and the model-agnostic ones."""
         declared = self._by_model.get(model)
@@ -290,9 +301,18 @@ class RouterCore:
 
     def _prefix_keys(self, block_hashes: tuple[int, ...], model: str | None) -> tuple[int, ...]:
         """The approximate index's keys of a prompt's blocks: (model, block) when the fleet serves
-        several models, so a prefix sent to a model-B worker never attracts a model-A request."""
+        several models, so a prefix sent to a model-B worker never attracts a model-A request. A
+        model's aliases (names a worker declares together) share one key: a prefix sent as `B` is
+        in the cache a `b-alias` request reaches."""
         if model is None or len(self._by_model) < 2 or not block_hashes:
             return block_hashes
+        names = self._key_names
+        if names is None:
+            names = self._key_names = _alias_roots(self._served.values())
+            self._key_classes = len(set(names.values()))
+        if self._key_classes < 2:  # one model under several names: its aliases share its entries
+            return block_hashes
+        model = names.get(model, model)
         last = self._last_keys  # (a request's decision and its booking ask for the same keys)
         if last[0] is block_hashes and last[1] == model:
             return last[2]
@@ -634,6 +654,26 @@ class RequestTicket:
 
     def __repr__(self) -> str:
         return f"RequestTicket({self.request_id!r}, worker={self.decision.worker!r})"
+
+
+def _alias_roots(declared: Iterable[tuple[str, ...]]) -> dict[str, str]:
+    """Model name → the least name of its alias class: names one worker declares together are one
+    model, and so is any chain of such names (union-find over the workers' name lists)."""
+    parent: dict[str, str] = {}
+
+    def find(x: str) -> str:
+        while parent.setdefault(x, x) != x:
+            parent[x] = x = parent[parent[x]]
+        return x
+
+    for names in declared:
+        for other in names[1:]:
+            a, b = find(names[0]), find(other)
+            if a != b:
+                parent[max(a, b)] = min(a, b)
+        if names:
+            find(names[0])
+    return {x: find(x) for x in parent}
 
 
 def _targets_of(rec: WorkerRecord) -> tuple[str, ...]:

@@ -49,6 +49,66 @@ def test_an_unhealthy_or_timing_out_worker_is_probed_every_interval_whatever_its
     assert p2.due(heard_at=100.9) == 101.0  # its model list is still to be discovered
 
 
+def test_attach_discovery_asks_for_the_model_list_before_the_worker_is_reported_healthy():
+    """Never a healthy worker with no model in between (it would take every model's requests)."""
+    seen: list[bool] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            seen.append(probe.healthy)
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "model-B", "object": "model"}]})
+        return httpx.Response(200)
+
+    async def go(p: HealthProbe) -> None:
+        await p.probe("http://w:1")
+
+    probe = HealthProbe("w", Settings(), httpx.AsyncClient(transport=httpx.MockTransport(handler)), lambda: None,
+                        models=[], discover=True)
+    asyncio.run(go(probe))
+    assert seen == [False] and probe.healthy and probe.models == ["model-B"]
+    # a worker whose /v1/models gives no list still becomes healthy, declaring no model (documented)
+    probe = HealthProbe("w", Settings(), httpx.AsyncClient(transport=httpx.MockTransport(
+        lambda r: httpx.Response(404 if r.url.path == "/v1/models" else 200))), lambda: None, models=[], discover=True)
+    asyncio.run(go(probe))
+    assert probe.healthy and probe.models == []
+
+
+def test_a_probe_on_a_connection_the_worker_just_closed_is_asked_again_before_it_counts():
+    """A pooled connection closed by the worker as it is reused ("Server disconnected") must not mark a
+    serving worker down; a dead worker (refused twice) is down at once; the client never reuses a
+    connection near uvicorn's 5 s keep-alive."""
+    calls: list[str] = []
+
+    def flaky(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        if len(calls) == 1:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
+        return httpx.Response(200)
+
+    async def go(p: HealthProbe) -> None:
+        await p.probe("http://w:1")
+
+    probe = HealthProbe("w", Settings(), httpx.AsyncClient(transport=httpx.MockTransport(flaky)), lambda: None,
+                        models=["m"], discover=False)
+    asyncio.run(go(probe))
+    assert probe.healthy and calls == ["/health", "/health"]
+
+    def refused(request: httpx.Request) -> httpx.Response:
+        calls.append("refused")
+        raise httpx.ConnectError("connection refused", request=request)
+
+    calls.clear()
+    probe = HealthProbe("w", Settings(), httpx.AsyncClient(transport=httpx.MockTransport(refused)), lambda: None,
+                        models=["m"], discover=False)
+    probe.healthy = True
+    asyncio.run(go(probe))
+    assert not probe.healthy and "unreachable" in probe.detail and calls == ["refused", "refused"]
+    from actors.health import probe_client
+    client = probe_client(Settings())
+    assert client._transport._pool._keepalive_expiry < 5.0  # type: ignore[attr-defined]
+    asyncio.run(client.aclose())
+
+
 class InProcessHost:
     """`NodeHosting` feeding a registry in-process, as the aggregator hosts its own node's workers."""
 

@@ -118,6 +118,87 @@ def test_misrouting_across_models_is_impossible_over_random_fleets_and_requests(
     assert routed > 1000
 
 
+def _put_any(core: RouterCore, clock: Clock, name: str, models: list[str], state: str, role: str, dp_size: int,
+             rng: random.Random) -> None:
+    """A worker of any shape: a PD role (or none) and 1-3 attention-DP ranks, each with its own load."""
+    ranks = [dict(request_active_slots=rng.randint(0, 8), request_total_slots=64, kv_active_blocks=rng.randint(0, 400),
+                  kv_total_blocks=4096, num_requests_waiting=rng.randint(0, 2), gpu_cache_usage_perc=0.0,
+                  gpu_prefix_cache_hit_rate=0.0, data_parallel_rank=r) for r in range(dp_size)]
+    core.follower.workers[name] = WorkerRecord(
+        name=name, url=f"http://{name}.local:30000", page_size=16, state=state, healthy=state != "down",
+        metrics=ranks[0], ranks=ranks if dp_size > 1 else [], metrics_at=clock.t, heartbeat_at=clock.t,
+        models=list(models), role=role, bootstrap_port=8998 if role == "prefill" else None, dp_size=dp_size,
+        rank_at={r: clock.t for r in range(dp_size)} if dp_size > 1 else {})
+    core.on_fleet_update([name])
+
+
+def test_misrouting_is_impossible_over_random_fleets_with_pd_roles_and_dp_ranks():
+    """Property, the same as above on fleets that also mix PD roles (a model served by prefill +
+    decode workers, another by ordinary ones) and attention-DP workers: a request for model M goes
+    to a pair (prefill + decode worker, both declaring M or none) exactly when some worker that
+    may serve M has a PD role, else to one ordinary worker of M; every chosen rank is one of its
+    worker's; no side is ever down or excluded; NoWorkerAvailable only when a side has no candidate."""
+    from serve_app.pd import route_pair
+
+    rng = random.Random(1919)
+    routed = pairs = 0
+    for trial in range(120):
+        models = [f"model-{chr(65 + i)}" for i in range(rng.randint(1, 3))]
+        pd_models = {m for m in models if rng.random() < 0.5}
+        core, clock = make_core({}, policy=rng.choice(sorted(POLICIES)), seed=trial)
+        serves: dict[str, set[str]] = {}
+        roles: dict[str, str] = {}
+        sizes: dict[str, int] = {}
+        states: dict[str, str] = {}
+        for i in range(rng.randint(2, 9)):
+            name = f"w{i}"
+            m = rng.choice(models)
+            own = [m] + ([m + "-alias"] if rng.random() < 0.2 else [])
+            role = rng.choice(["prefill", "decode"]) if m in pd_models else "both"
+            if rng.random() < 0.05:
+                own = []  # model-agnostic
+            state = rng.choice(["live", "live", "idle", "down"])
+            dp = rng.choice([1, 1, 2, 3])
+            _put_any(core, clock, name, own, state, role, dp, rng)
+            serves[name], roles[name], sizes[name], states[name] = set(own), role, dp, state
+        served = set().union(*serves.values())
+        prompts = ["a system prompt shared by every model " * rng.randint(10, 120) for _ in range(3)]
+        for j in range(30):
+            clock.t += 0.01
+            model = rng.choice(sorted(served)) if served else "anything"
+            policy = rng.choice(sorted(POLICIES))
+            exclude = {w for w in serves if rng.random() < 0.15}
+            key = core.resolve_model(model)
+            may = {w for w, ms in serves.items() if not ms or model in ms}
+            facts = core.facts(chat(model, rng.choice(prompts), f"q{j}"))
+            ok = lambda w, role: w in may and roles[w] == role and w not in exclude and states[w] != "down"  # noqa: E731
+            if core.disaggregated(key):
+                assert any(roles[w] != "both" for w in may), (trial, j, model)
+                try:
+                    pre, dec = route_pair(core, facts, policy, key, exclude)
+                except NoWorkerAvailable:
+                    assert not any(ok(w, "prefill") for w in serves) or not any(ok(w, "decode") for w in serves)
+                    continue
+                for t, role in ((pre, "prefill"), (dec, "decode")):
+                    assert ok(t.worker, role), (trial, j, model, role, t.worker)
+                    assert (t.decision.rank is None) == (sizes[t.worker] == 1)
+                    assert t.decision.rank is None or 0 <= t.decision.rank < sizes[t.worker]
+                    t.finished()
+                pairs += 1
+            else:
+                assert all(roles[w] == "both" for w in may), (trial, j, model)
+                try:
+                    t = core.route(facts, policy, exclude=exclude, model=key)
+                except NoWorkerAvailable:
+                    assert not any(ok(w, "both") for w in serves)
+                    continue
+                assert ok(t.worker, "both"), (trial, j, model, t.worker)
+                assert t.decision.rank is None or 0 <= t.decision.rank < sizes[t.worker]
+                t.finished()
+            routed += 1
+    assert routed > 1000 and pairs > 300
+
+
 def test_a_prefix_cached_on_a_model_b_worker_never_attracts_a_model_a_request():
     core, _ = make_core({"a0": ["A"], "a1": ["A"], "b0": ["B"]}, policy="kv_aware")
     system = "a long shared system prompt " * 300
@@ -130,6 +211,22 @@ def test_a_prefix_cached_on_a_model_b_worker_never_attracts_a_model_a_request():
     assert not any(request.overlap.values())
     _, request = core.decide(core.facts(chat("B", system)), model="B")
     assert request.overlap.get("b0", 0) > 0  # while B's own affinity is there
+
+
+def test_a_models_aliases_share_its_prefix_affinity_and_other_models_still_do_not():
+    core, _ = make_core({"b0": ["B", "b-alias"], "b1": ["b-alias", "B"], "a0": ["A"]}, policy="kv_aware")
+    system = "a long shared system prompt " * 300
+    t = core.route(core.facts(chat("B", system, "q0")), model="B")
+    t.finished()
+    _, request = core.decide(core.facts(chat("b-alias", system)), model="b-alias")
+    assert request.overlap.get(t.worker, 0) > 0  # the same model: the cache a B request filled
+    _, request = core.decide(core.facts(chat("A", system)), model="A")
+    assert not any(request.overlap.values())
+    # a chain of aliases over several workers is one model; a single model under two names is unsalted
+    from serve_app.router import _alias_roots
+    assert _alias_roots([("x", "y"), ("z", "y"), ("q",)]) == {"x": "x", "y": "x", "z": "x", "q": "q"}
+    solo, _ = make_core({"s0": ["S", "s-alias"]})
+    assert solo._prefix_keys((1, 2), "s-alias") == (1, 2)
 
 
 def test_round_robin_cycles_each_models_workers_when_the_models_requests_arrive_in_turn():
@@ -200,6 +297,7 @@ def test_an_unknown_model_is_openais_404_model_not_found_listing_the_served_ones
     body = json.loads(e.body())
     assert e.status == 404 and body["error"]["code"] == "model_not_found"
     assert body["error"]["type"] == "invalid_request_error"
+    assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["param"] is None  # OpenAI's shape
     assert body["error"]["message"].endswith("served: A, B, b-alias") and "'C'" in body["error"]["message"]
     with pytest.raises(HttpError) as err:
         fwd.routing_input(req, chat(None, "hello"))  # type: ignore[arg-type]
@@ -235,6 +333,23 @@ def test_workers_json_healthz_and_prometheus_show_each_workers_models():
     lines = sorted(line for line in text.splitlines() if line.startswith("kvroute_worker_model{"))
     assert lines == ['kvroute_worker_model{model="A",worker="a0"} 1.0', 'kvroute_worker_model{model="B",worker="b0"} 1.0',
                      'kvroute_worker_model{model="b",worker="b0"} 1.0']
+
+
+def test_the_request_counter_carries_the_declared_model_and_never_an_arbitrary_name():
+    core, clock = make_core({"a0": ["A"], "u": []})
+    put(core, clock, "a0", ["A"], state="down")
+    put(core, clock, "u", [], state="down")
+    fwd = _forwarder(core)
+    req = SimpleNamespace(headers={})
+    for name in ("A", "client-made-up-name"):  # the second only the model-agnostic worker may take
+        body = chat(name, "hello")
+        with pytest.raises(HttpError) as err:
+            asyncio.run(fwd.forward(req, None, "/v1/chat/completions", json.dumps(body).encode(), body))  # type: ignore[arg-type]
+        assert err.value.status == 503
+    text = fwd.metrics.render().decode()
+    lines = sorted(line for line in text.splitlines() if line.startswith("kvroute_requests_total{"))
+    assert lines == ['kvroute_requests_total{model="",outcome="no_worker",policy="kv_aware",worker=""} 1.0',
+                     'kvroute_requests_total{model="A",outcome="no_worker",policy="kv_aware",worker=""} 1.0']
 
 
 def test_the_models_travel_from_the_report_through_the_registry_and_delta_to_the_follower():

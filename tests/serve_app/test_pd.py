@@ -157,7 +157,7 @@ def test_prefill_side_follows_the_prefix_and_decode_side_the_load():
     assert core.ledger.in_flight(first.worker) == 7 and core.ledger.in_flight("d0") + core.ledger.in_flight("d1") == 7
 
 
-def test_no_decode_worker_is_a_503_that_says_so():
+def test_no_decode_or_no_prefill_worker_is_a_503_that_names_the_side():
     core, clock = make_core()
     put(core, clock, "p0", "prefill")
     with pytest.raises(NoWorkerAvailable, match="no routable decode worker.*role: decode"):
@@ -172,6 +172,14 @@ def test_no_decode_worker_is_a_503_that_says_so():
     put(core2, clock2, "p0", "prefill", state="down")
     with pytest.raises(NoWorkerAvailable, match="prefill"):
         decide_pair(core2, core2.facts(chat("x")), None, None)
+    # no prefill worker at all: the client's 503 names the missing side
+    core3, clock3 = make_core()
+    put(core3, clock3, "d0", "decode")
+    with pytest.raises(HttpError) as err:
+        asyncio.run(_forwarder(core3, None).forward(_request(), _Sink(), "/v1/chat/completions", b"{}", chat("x")))
+    msg = json.loads(err.value.body())["error"]["message"]
+    assert err.value.status == 503 and "no routable prefill worker" in msg and "role: prefill" in msg, msg
+    assert core3.ledger.in_flight("d0") == 0
 
 
 def test_only_the_models_pd_workers_pair_and_other_models_route_as_before():
@@ -225,12 +233,16 @@ def sims():
     d.stop()
 
 
-def _serve(core: RouterCore, body: dict) -> _Sink:
+def _serve(core: RouterCore, body: dict, metrics: list[RouterMetrics] | None = None) -> _Sink:
+    """One request through a fresh forwarder (its RouterMetrics appended to `metrics` if given)."""
     async def go() -> _Sink:
         up = UpstreamClient(connect_timeout_s=2, read_timeout_s=20)
         sink = _Sink()
+        fwd = _forwarder(core, up)
+        if metrics is not None:
+            metrics.append(fwd.metrics)
         try:
-            await _forwarder(core, up).forward(_request(), sink, "/v1/chat/completions", json.dumps(body).encode(), body)
+            await fwd.forward(_request(), sink, "/v1/chat/completions", json.dumps(body).encode(), body)
             await asyncio.sleep(0.3)  # the prefill answer is read to its end in the background
         finally:
             await up.aclose()
@@ -301,6 +313,19 @@ def test_every_pair_failing_is_a_503_naming_the_attempts(sims):
     with pytest.raises(HttpError) as err:
         _serve(core, chat("nobody decodes " * 10, max_tokens=2))
     assert err.value.status == 503 and "decode worker d_dead" in err.value.body().decode()
+
+
+def test_the_request_counter_carries_the_model_of_a_pd_request(sims):
+    p, d = sims
+    core, clock = make_core(policy="kv_aware")
+    put(core, clock, "p0", "prefill", url=p.url, port=p.bootstrap_port, models=("M",))
+    put(core, clock, "d0", "decode", url=d.url, models=("M",))
+    put(core, clock, "w0", "both", models=("other",))
+    metrics: list[RouterMetrics] = []
+    sink = _serve(core, chat("counted per model " * 20, model="M", stream=True, max_tokens=2), metrics)
+    assert sink.status == 200, sink.body
+    text = metrics[0].render().decode()
+    assert 'kvroute_requests_total{model="M",outcome="ok",policy="kv_aware",worker="d0"} 1.0' in text
 
 
 def test_a_prefill_worker_that_dies_mid_request_makes_the_pair_retry(sims):
