@@ -4,21 +4,14 @@ aggregator's ingest listens; only its Ray handle (which hands out the address) i
 from __future__ import annotations
 
 import asyncio
-from typing import Any
-
+import pytest
 import zmq
 import zmq.asyncio
 
 from actors.link import AggregatorLink
 from actors.protocol import Endpoints, ReportBatch, WorkerReport, decode_ingest
+from tests.ray_stub import Remote
 
-
-class _Remote:
-    def __init__(self, fn) -> None:
-        self._fn = fn
-
-    def remote(self, *args: Any) -> Any:
-        return self._fn(*args)
 
 
 class Handle:
@@ -37,7 +30,7 @@ class Handle:
                 await self.released.wait()
             return self.answer
 
-        self.endpoints = _Remote(endpoints)
+        self.endpoints = Remote(endpoints)
 
 
 def _bind(ctx: zmq.asyncio.Context, address: str | None = None) -> tuple[zmq.asyncio.Socket, str]:
@@ -85,59 +78,65 @@ async def _push_until_received(link: AggregatorLink, ingest: zmq.asyncio.Socket,
     raise AssertionError(f"nothing reached the ingest in {timeout_s} s")
 
 
-async def test_an_aggregator_back_on_its_address_gets_reports_before_ray_answers():
-    ctx = zmq.asyncio.Context()
-    ingest, address = _bind(ctx)
-    handle = Handle(address)
+class Rig:
+    """A link to an ingest PULL standing where the aggregator listens; `handle` says where."""
 
-    async def resolve() -> Handle:
-        return handle
+    def __init__(self) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.ingest, self.address = _bind(self.ctx)
+        self.handle = Handle(self.address)
 
-    link = AggregatorLink(resolve, ctx=ctx, stale_s=0.2, backoff_s=0.01, backoff_max_s=0.02, client_ip="127.0.0.1")
-    try:
-        await _push_until_received(link, ingest, 5)
-        assert handle.asked == 1
-        handle.hang.set()  # the aggregator restarts; Ray's news of it will come late
-        ingest.close(linger=0)
-        for _ in range(20):  # a push loop's checks while it is down (longer than stale_s)
-            await link.ensure()
-            await asyncio.sleep(0.02)
-        assert not await link.ensure()  # stale: no push, and no waiting on Ray either
-        await asyncio.sleep(0.05)
-        assert handle.asked == 2  # asked once in the background, still unanswered
-        ingest = await _rebind(ctx, address)  # back on its address (Ray restarts keep it)
-        await _push_until_received(link, ingest, 5)
-        assert not handle.released.is_set()  # reached it while Ray's answer was still pending
-        handle.released.set()
-        await asyncio.sleep(0.05)
-        assert link._reresolve_task is None
-    finally:
-        handle.released.set()
-        link.close()
-        ingest.close(linger=0)
-        ctx.term()
+        async def resolve() -> Handle:
+            return self.handle
+
+        self.link = AggregatorLink(resolve, ctx=self.ctx, stale_s=0.2, backoff_s=0.01, backoff_max_s=0.02,
+                                   client_ip="127.0.0.1")
+        self.others: list[zmq.asyncio.Socket] = []
+
+    def close(self) -> None:
+        self.handle.released.set()
+        self.link.close()
+        for sock in (self.ingest, *self.others):
+            sock.close(linger=0)
+        self.ctx.term()
 
 
-async def test_an_aggregator_that_moved_is_found_through_ray_and_the_socket_replaced():
-    ctx = zmq.asyncio.Context()
-    old, address = _bind(ctx)
-    handle = Handle(address)
+@pytest.fixture
+def rig():
+    r = Rig()
+    yield r
+    r.close()
 
-    async def resolve() -> Handle:
-        return handle
 
-    link = AggregatorLink(resolve, ctx=ctx, stale_s=0.2, backoff_s=0.01, backoff_max_s=0.02, client_ip="127.0.0.1")
-    new = None
-    try:
-        await _push_until_received(link, old, 5)
-        old.close(linger=0)
-        new, new_address = _bind(ctx)  # restarted elsewhere: another address, another token
-        handle.answer = Endpoints(epoch="e2", ingest=new_address, publish="tcp://127.0.0.1:1", token="n3w")
-        await _push_until_received(link, new, 5)
-        assert link.endpoints == handle.answer and link.epoch == "e2"
-        assert link._token() == "n3w"
-    finally:
-        link.close()
-        if new is not None:
-            new.close(linger=0)
-        ctx.term()
+async def test_an_aggregator_back_on_its_address_gets_reports_before_ray_answers(rig):
+    link, handle, ctx, address = rig.link, rig.handle, rig.ctx, rig.address
+    ingest = rig.ingest
+    await _push_until_received(link, ingest, 5)
+    assert handle.asked == 1
+    handle.hang.set()  # the aggregator restarts; Ray's news of it will come late
+    ingest.close(linger=0)
+    for _ in range(20):  # a push loop's checks while it is down (longer than stale_s)
+        await link.ensure()
+        await asyncio.sleep(0.02)
+    assert not await link.ensure()  # stale: no push, and no waiting on Ray either
+    await asyncio.sleep(0.05)
+    assert handle.asked == 2  # asked once in the background, still unanswered
+    ingest = await _rebind(ctx, address)  # back on its address (Ray restarts keep it)
+    rig.others.append(ingest)
+    await _push_until_received(link, ingest, 5)
+    assert not handle.released.is_set()  # reached it while Ray's answer was still pending
+    handle.released.set()
+    await asyncio.sleep(0.05)
+    assert link._reresolve_task is None
+
+
+async def test_an_aggregator_that_moved_is_found_through_ray_and_the_socket_replaced(rig):
+    link, handle = rig.link, rig.handle
+    await _push_until_received(link, rig.ingest, 5)
+    rig.ingest.close(linger=0)
+    new, new_address = _bind(rig.ctx)  # restarted elsewhere: another address, another token
+    rig.others.append(new)
+    handle.answer = Endpoints(epoch="e2", ingest=new_address, publish="tcp://127.0.0.1:1", token="n3w")
+    await _push_until_received(link, new, 5)
+    assert link.endpoints == handle.answer and link.epoch == "e2"
+    assert link._token() == "n3w"

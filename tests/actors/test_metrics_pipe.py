@@ -17,18 +17,12 @@ from actors.metrics_pipe import MetricsPipe
 from actors.models import Settings
 from actors.protocol import Endpoints, RankMetrics, ReportBatch, WorkerReport, decode_ingest
 from sim.sglang_shapes import encode_kv_metrics
+from tests.ray_stub import Remote
 
 BASE = dict(request_active_slots=1, request_total_slots=8, kv_active_blocks=100, kv_total_blocks=1600,
             num_requests_waiting=0, gpu_cache_usage_perc=0.0625, gpu_prefix_cache_hit_rate=0.0,
             data_parallel_rank=0)
 
-
-class _Remote:
-    def __init__(self, fn) -> None:
-        self._fn = fn
-
-    def remote(self, *args: Any) -> Any:
-        return self._fn(*args)
 
 
 class AggregatorHandle:
@@ -46,7 +40,7 @@ class AggregatorHandle:
                 raise ConnectionError("aggregator not up yet")
             return Endpoints(epoch="e1", ingest=ingest, publish="tcp://127.0.0.1:1", token="t0k")
 
-        self.endpoints = _Remote(endpoints)
+        self.endpoints = Remote(endpoints)
 
 
 class Rig:

@@ -6,6 +6,7 @@ from actors.models import Settings
 from actors.protocol import RankMetrics, WorkerReport
 from actors.registry import FleetRegistry
 from serve_app.follower import FleetFollower
+from tests.ray_stub import Remote
 
 
 class Clock:
@@ -181,13 +182,6 @@ def test_a_worker_missing_from_a_resync_snapshot_is_no_longer_routed_to():
     assert {core.decide(core.facts(body), "round_robin")[0].worker for _ in range(4)} == {"a"}
 
 
-class _Remote:
-    def __init__(self, fn) -> None:
-        self._fn = fn
-
-    def remote(self, *args):
-        return self._fn(*args)
-
 
 async def test_a_restarted_aggregators_stream_is_followed_from_its_start_without_a_snapshot():
     """A restarted aggregator publishes from version 0 on the same address: a follower that hears its
@@ -219,7 +213,7 @@ async def test_a_restarted_aggregators_stream_is_followed_from_its_start_without
         pass
 
     agg = Agg()
-    agg.endpoints, agg.snapshot = _Remote(endpoints), _Remote(snapshot)
+    agg.endpoints, agg.snapshot = Remote(endpoints), Remote(snapshot)
 
     async def resolve():
         return agg
