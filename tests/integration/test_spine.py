@@ -93,21 +93,30 @@ def test_workers_shows_what_the_schedulers_sent_in_blocks(fleet_env):
     assert [r["data_parallel_rank"] for r in w["ranks"]] == [0]
 
 
-def test_route_follows_the_load_within_200ms(fleet_env):
-    c, em = fleet_env["client"], fleet_env["emitters"]
+def _active(c) -> dict[str, int | None]:
+    return {n: (w["metrics"] or {}).get("request_active_slots") for n, w in _workers(c).items()}
+
+
+def test_route_follows_the_load_within_two_windows(fleet_env):
+    c, em, s = fleet_env["client"], fleet_env["emitters"], fleet_env["fleet"].settings
     em["w0"].send(num_requests_waiting=20, request_active_slots=64)
     em["w1"].send(num_requests_waiting=20, request_active_slots=64)
     em["w2"].send(num_requests_waiting=0, request_active_slots=1)
-    wait_for(lambda: c.post("/route", json=CHAT).json()["worker"] == "w2", 5, what="route to w2")
+    # all three values in the router's view first (reports of a small fleet come in coalescing
+    # windows: a view holding w0 alone has w1 and w2 tied without metrics)
+    wait_for(lambda: {k: v for k, v in _active(c).items() if k in ("w0", "w1", "w2")} == {"w0": 64, "w1": 64, "w2": 1},
+             5, what="the three loads in /workers")
     picks = {c.post("/route", json=CHAT).json()["worker"] for _ in range(10)}
     assert picks == {"w2"}
-    # shift the load: w2 saturates, w1 empties
+    # shift the load: w2 saturates, w1 empties. A change waits at most one window at its worker
+    # actor and one at the aggregator (coalesce_s each, the first change after a quiet spell at once)
+    bound = 2 * s.coalesce_s + 0.1
     t0 = time.monotonic()
     em["w2"].send(num_requests_waiting=30, request_active_slots=64)
     em["w1"].send(num_requests_waiting=0, request_active_slots=0)
     wait_for(lambda: c.post("/route", json=CHAT).json()["worker"] == "w1", 2, interval_s=0.005, what="route to w1")
     elapsed = time.monotonic() - t0
-    assert elapsed < 0.2, f"load change reached /route after {elapsed * 1000:.0f} ms"
+    assert elapsed < bound, f"load change reached /route after {elapsed * 1000:.0f} ms (bound {bound * 1000:.0f})"
     d = c.post("/route", json=CHAT).json()
     assert d["policy"] == "least_loaded" and d["url"].startswith("http://127.0.0.1:") and d["reason"]
 
