@@ -16,7 +16,8 @@ from actors.link import AggregatorLink
 from actors.models import Settings
 from actors.protocol import HostFrame, RankMetrics, WorkerReport, decode_ingest
 from sim.sglang_shapes import encode_kv_metrics
-from tests.actors.test_metrics_pipe import BASE, AggregatorHandle, _Remote, _until
+from tests.actors.test_metrics_pipe import BASE, AggregatorHandle, _until
+from tests.ray_stub import Remote
 
 
 class HostRig:
@@ -259,7 +260,7 @@ class _WindowHandle(AggregatorHandle):
                 await asyncio.sleep(0.05)
             return self.window
 
-        self.host_window = _Remote(host_window)
+        self.host_window = Remote(host_window)
 
 
 async def test_a_following_link_long_polls_the_aggregators_window_and_a_plain_one_does_not():
