@@ -37,6 +37,14 @@ def _ipc_in_use(path: str) -> bool:
         s.close()
 
 
+def default_endpoint(name: str) -> str:
+    """A managed worker's metrics endpoint when its spec gives none: a node-local ipc:// path named
+    after the worker and the process that binds it (SGLang's own default is random)."""
+    import tempfile
+
+    return f"ipc://{tempfile.gettempdir()}/kvroute-{name}-{os.getpid()}.metrics"
+
+
 def bind_pull(ctx: zmq.asyncio.Context, name: str, endpoint: str, max_frame_bytes: int) -> zmq.asyncio.Socket:
     """Bind a PULL socket like the seed's loop; clear errors naming worker and endpoint."""
     path = _ipc_path(endpoint)

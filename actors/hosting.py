@@ -1,6 +1,7 @@
 """The host role, written once: every hosted worker's metrics PULL, its /health probe (passive while its
 KvMetrics frames arrive) and model discovery, and one `HostPipe` sending one batched frame per window
-for all of them — which is also their heartbeat.
+for all of them — which is also their heartbeat. A node's `MetricsHost` also owns the engine process
+of every managed worker it hosts (`actors.launcher.ManagedProcess`: launch, /health, restarts, stop).
 
 Two actors run it: a node's `MetricsHost` (`actors.metrics_host`), whose pipe pushes over an
 `AggregatorLink`, and the aggregator itself for the workers on its own node (`actors.aggregator`),
@@ -23,11 +24,12 @@ import httpx
 import zmq
 import zmq.asyncio
 
-from actors.endpoint import _ipc_path, bind_pull
+from actors.endpoint import _ipc_path, bind_pull, default_endpoint
 from actors.fleet import WorkerSpec
 from actors.health import HealthProbe, probe_client
 from actors.host_pipe import HostPipe
 from actors.ingest import MetricsBook
+from actors.launcher import LaunchError, ManagedProcess
 from actors.models import NAMESPACE, Settings
 from actors.protocol import HostStats, WorkerActorStats, WorkerReady, WorkerReport
 
@@ -35,10 +37,12 @@ logger = logging.getLogger("kvroute.host")
 
 
 def hostable(spec: WorkerSpec) -> bool:
-    """True if `spec`'s metrics can live in its node's host (attach mode, no KV events, no Ray
-    resources to reserve); else it needs its own `WorkerActor`."""
-    return (not spec.managed and spec.kv_events_endpoint is None and not spec.num_gpus and not spec.num_cpus
-            and not spec.resources and spec.metrics_endpoint is not None)
+    """True if `spec` can live in its node's host: no KV events (routers long-poll a worker actor's KV
+    log) and no Ray resources to reserve (Ray gives GPUs to the process that asks for them) — attach
+    mode with its metrics endpoint, or a managed engine (its node's `MetricsHost` owns the process).
+    Else it needs its own `WorkerActor`."""
+    return (spec.kv_events_endpoint is None and not spec.num_gpus and not spec.num_cpus and not spec.resources
+            and (spec.managed or spec.metrics_endpoint is not None))
 
 
 class LocalLink:
@@ -77,30 +81,72 @@ class LocalLink:
 
 
 class Hosted:
-    """One hosted worker: its PULL, book, liveness and report."""
+    """One hosted worker: its PULL, book, liveness and report — and, managed, its engine process
+    (launched at once; `launch` is the task that ends when it answers /health)."""
 
     def __init__(self, spec: WorkerSpec, settings: Settings, ctx: zmq.asyncio.Context, http: httpx.AsyncClient,
-                 on_change: Callable[[], None]) -> None:
+                 on_change: Callable[[], None], engine_host: str = "127.0.0.1") -> None:
         self.spec = spec
         self.name = spec.name
         self.incarnation = uuid.uuid4().hex[:12]
         self.book = MetricsBook(settings.max_frame_bytes)
-        self.endpoint = spec.metrics_endpoint or ""
+        self.endpoint = spec.metrics_endpoint or (default_endpoint(spec.name) if spec.managed else "")
+        self._on_change = on_change
         self.sock = bind_pull(ctx, self.name, self.endpoint, settings.max_frame_bytes)
-        self.health = HealthProbe(self.name, settings, http, on_change, models=spec.declared_models, discover=True)
+        self.health = HealthProbe(self.name, settings, http, on_change, models=spec.declared_models,
+                                  discover=not spec.managed)
+        self.proc: ManagedProcess | None = None
+        self.launch: asyncio.Task | None = None
+        if spec.managed:
+            port = int(spec.url.rsplit(":", 1)[1]) if spec.url else None
+            self.proc = ManagedProcess(spec, metrics_endpoint=self.endpoint, port=port, host=engine_host,
+                                       on_change=self._on_process_change)
+            self.launch = asyncio.get_running_loop().create_task(self._launch())
+        self.url = self.proc.url if self.proc is not None else (spec.url or "")
+
+    async def _launch(self) -> None:
+        assert self.proc is not None
+        await self.proc.start()
+        try:
+            await self.proc.wait_healthy()
+        except LaunchError:
+            await self.proc.stop()
+            raise
+
+    def _on_process_change(self) -> None:
+        # a dead engine is down now, not at the next probe
+        if self.proc is not None and not self.proc.alive:
+            self.health.set(False, f"engine process {self.proc.status.state}: {self.proc.status.detail}")
+        self._on_change()
 
     def report(self) -> WorkerReport:
         page = self.spec.page_size
         ranks = self.book.rank_metrics(page)
-        return WorkerReport(name=self.name, url=self.spec.url or "", page_size=page, incarnation=self.incarnation,
+        return WorkerReport(name=self.name, url=self.url, page_size=page, incarnation=self.incarnation,
                             healthy=self.health.healthy, health_detail=self.health.detail, ranks=ranks,
+                            managed=self.proc.status.report() if self.proc is not None else None,
                             models=self.health.models, role=self.spec.role, bootstrap_port=self.spec.bootstrap_port,
                             dp_size=self.spec.dp_size)
+
+    def ready(self, node_id: str | None) -> WorkerReady:
+        return WorkerReady(name=self.name, url=self.url, metrics_endpoint=self.endpoint, node_id=node_id,
+                           managed=self.proc.status.report() if self.proc is not None else None)
 
     def probe_due(self) -> float:
         return self.health.due(self.book.heard_at())
 
-    def close(self) -> None:
+    async def probe(self) -> None:
+        if self.proc is not None and not self.proc.alive:
+            self.health.set(False, f"engine process {self.proc.status.state}")
+            return
+        await self.health.probe(self.url)
+
+    async def aclose(self) -> None:
+        """Stop the engine (SIGTERM, then SIGKILL after its grace), then close the socket."""
+        if self.launch is not None and not self.launch.done():
+            self.launch.cancel()
+        if self.proc is not None:
+            await self.proc.stop()
         self.sock.close(linger=0)
         path = _ipc_path(self.endpoint)
         if path and os.path.exists(path):
@@ -114,12 +160,17 @@ class NodeHosting:
     """The hosted workers of one node, pushed through `link` (an `AggregatorLink`, or a `LocalLink`).
 
     `deregister(name)` drops a removed worker from the aggregator's fleet; `remember(specs)` keeps
-    the hosted specs where a restarted actor finds them (`remembered(key)`). Start with `start()`
-    inside the event loop, end with `await stop()`."""
+    the hosted specs where a restarted actor finds them (`remembered(key)`). `engines`: this host may
+    own managed engines (a `MetricsHost`; never the aggregator, whose restart would take them down),
+    listening where `listen_host(spec.host)` says. Start with `start()` inside the event loop, end
+    with `await stop()`."""
 
     def __init__(self, host: str, node_id: str | None, settings: Settings, ctx: zmq.asyncio.Context, link: Any, *,
-                 deregister: Callable[[str], Awaitable[Any]], remember: Callable[[list[dict[str, Any]]], None]) -> None:
+                 deregister: Callable[[str], Awaitable[Any]], remember: Callable[[list[dict[str, Any]]], None],
+                 engines: bool = False, listen_host: Callable[[str], str] | None = None) -> None:
         self.host = host
+        self.engines = engines
+        self._listen_host = listen_host or (lambda h: "127.0.0.1" if h == "auto" else h)
         self.node_id = node_id
         self.settings = settings
         self.link = link
@@ -137,9 +188,10 @@ class NodeHosting:
         self._tasks = [self.pipe.start(), loop.create_task(self._health_loop())]
 
     def add(self, spec: WorkerSpec) -> bool:
-        """Host `spec` (idempotent for the same spec); False if it was hosted already. Raises
-        EndpointError if its metrics endpoint cannot be bound, ValueError if it is not hostable or
-        another spec holds its name."""
+        """Host `spec` (idempotent for the same spec); False if it was hosted already. A managed spec's
+        engine starts now (`await ready(name)` waits for its /health). Raises EndpointError if its
+        metrics endpoint cannot be bound, ValueError if it is not hostable here or another spec holds
+        its name."""
         have = self.workers.get(spec.name)
         if have is not None:
             if have.spec != spec:
@@ -147,20 +199,28 @@ class NodeHosting:
                                  "first")
             return False
         if not hostable(spec):
-            raise ValueError(f"worker {spec.name}: not hostable (managed, KV events or Ray resources): it needs its "
-                             "own WorkerActor")
-        w = Hosted(spec, self.settings, self._ctx, self._http, lambda: self.pipe.mark(spec.name))
+            raise ValueError(f"worker {spec.name}: not hostable (KV events or Ray resources): it needs its own "
+                             "WorkerActor")
+        if spec.managed and not self.engines:
+            raise ValueError(f"worker {spec.name}: {self.host} does not own engines; a managed worker's engine "
+                             "belongs to its node's metrics host")
+        engine_host = self._listen_host(spec.host) if spec.managed else "127.0.0.1"
+        w = Hosted(spec, self.settings, self._ctx, self._http, lambda: self.pipe.mark(spec.name), engine_host)
         self.workers[spec.name] = w
         self.pipe.add(spec.name, w.sock, w.book, w.report)
         self._remember([x.spec.model_dump(mode="json") for x in self.workers.values()])
-        logger.info("host %s: worker %s: PULL bound on %s, probing %s/health", self.host, spec.name, w.endpoint,
-                    spec.url)
+        logger.info("host %s: worker %s: PULL bound on %s, %s %s/health", self.host, spec.name, w.endpoint,
+                    "engine starting," if spec.managed else "probing", w.url)
         return True
 
-    def ready(self, name: str) -> WorkerReady:
+    async def ready(self, name: str) -> WorkerReady:
+        """Where hosted worker `name` is; a managed one once its engine answers /health. Raises
+        LaunchError if its engine cannot start or never becomes healthy (it stays hosted, engine
+        stopped, until removed)."""
         w = self._get(name)
-        return WorkerReady(name=name, url=w.spec.url or "", metrics_endpoint=w.endpoint, node_id=self.node_id,
-                           managed=None)
+        if w.launch is not None:
+            await asyncio.shield(w.launch)
+        return w.ready(self.node_id)
 
     async def remove(self, name: str, deregister: bool = True) -> bool:
         """Stop hosting `name` (its socket closed, linger 0); `deregister`: drop it from the aggregator's
@@ -169,7 +229,7 @@ class NodeHosting:
         if w is None:
             return False
         self.pipe.remove(name)
-        w.close()
+        await w.aclose()
         self._remember([x.spec.model_dump(mode="json") for x in self.workers.values()])
         if deregister:
             try:
@@ -200,14 +260,15 @@ class NodeHosting:
                          window_s=getattr(self.link, "window_s", None))
 
     async def remove_all(self, deregister: bool = False) -> list[str]:
-        """Stop hosting every worker and forget them (a later restart hosts none); keeps running."""
+        """Stop hosting every worker and forget them (a later restart hosts none); keeps running.
+        Their engines stop concurrently."""
         names = list(self.workers)
-        for name in names:
-            await self.remove(name, deregister=deregister)
+        await asyncio.gather(*(self.remove(name, deregister=deregister) for name in names))
         return names
 
     async def stop(self, deregister: bool = False) -> None:
-        """`remove_all`, then end the pipe and the probes (no frame after it). ≤ 1 s."""
+        """`remove_all`, then end the pipe and the probes (no frame after it). ≤ 1 s, plus an engine's
+        stop grace if one ignores SIGTERM."""
         if self._stopping:
             return
         await self.remove_all(deregister)
@@ -237,7 +298,7 @@ class NodeHosting:
                 hosted = list(self.workers.values())
                 due = [w for w in hosted if w.probe_due() <= now]
                 if due:
-                    await asyncio.gather(*(w.health.probe(w.spec.url) for w in due), return_exceptions=True)
+                    await asyncio.gather(*(w.probe() for w in due), return_exceptions=True)
                 wake = min((w.probe_due() for w in self.workers.values()), default=now + interval)
             except asyncio.CancelledError:
                 raise
@@ -254,14 +315,20 @@ class HostingCalls:
     _hosting: NodeHosting
 
     async def add_worker(self, spec: dict[str, Any]) -> WorkerReady:
-        """Host a worker (idempotent for the same spec); see `NodeHosting.add`."""
+        """Host a worker (idempotent for the same spec) and answer once it is ready (`NodeHosting.add`,
+        `NodeHosting.ready`). A managed engine that cannot start is removed again and its
+        LaunchError raised."""
         ws = WorkerSpec.model_validate(spec)
         self._check_node(ws)
         self._hosting.add(ws)
-        return self._hosting.ready(ws.name)
+        try:
+            return await self._hosting.ready(ws.name)
+        except LaunchError:
+            await self._hosting.remove(ws.name)  # nothing half-started stays behind (nor comes back on a restart)
+            raise
 
     async def ready_worker(self, name: str) -> WorkerReady:
-        return self._hosting.ready(name)
+        return await self._hosting.ready(name)
 
     async def remove_worker(self, name: str, deregister: bool = True) -> bool:
         return await self._hosting.remove(name, deregister)

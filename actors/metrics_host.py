@@ -1,16 +1,19 @@
-"""One metrics host per Ray node: a single async Ray actor hosting every attach-mode worker placed
-on its node — each worker's metrics PULL, /health probe and model discovery — and pushing one
-batched `HostFrame` per coalescing window to the aggregator, which is also the heartbeat of all
-of them (liveness O(nodes), one Ray process floor per node instead of one per worker).
+"""One metrics host per Ray node: a single async Ray actor hosting the workers placed on its node —
+each worker's metrics PULL, /health probe and model discovery, and the engine process of each
+managed one — and pushing one batched `HostFrame` per coalescing window to the aggregator, which
+is also the heartbeat of all of them (liveness O(nodes), one Ray process floor per node instead of
+one per worker).
 
 The host role itself is `actors.hosting.NodeHosting`, written once: the aggregator runs the same
 class for the workers on its own node (no host process there, frames into its registry in-process),
-so a `MetricsHost` exists only on the other nodes. `start_worker` picks: the aggregator's node → the
-aggregator; another node → that node's `MetricsHost`.
+so for attach-mode workers a `MetricsHost` exists only on the other nodes. `start_worker` picks: an
+attach-mode worker on the aggregator's node → the aggregator; a managed worker, or one on another
+node → its node's `MetricsHost` (engines never live in the aggregator: its restart would take them
+down with it; a host's restart does, and it launches them again).
 
-Which workers are hosted (`hostable`): attach mode without KV events. A managed worker keeps its own
-`WorkerActor`: that actor is what reserves the engine's GPUs with Ray and owns the engine process.
-A worker with KV events (exact prefix mode) keeps its own actor too: routers long-poll its KV log.
+Which workers are hosted (`hostable`): no KV events (exact prefix mode: routers long-poll a worker
+actor's KV log) and no Ray resources to reserve (`num_gpus`, `num_cpus`, `resources`: Ray assigns
+GPUs to the process that asks for them, so such a worker keeps its own `WorkerActor`).
 
 The host is named per node (`kvroute-metrics-host-<node id>`), detached, pinned to its node,
 get-or-create. It remembers its workers' specs in Ray's internal KV, so Ray restarting it
@@ -50,8 +53,11 @@ class MetricsHost(HostingCalls):
                                     follow_window=True)  # the aggregator's fleet-wide window (actors.fleet_window)
         node = ray.get_runtime_context().get_node_id()
         key = f"{host}-workers"
+        from actors.worker_actor import listen_host
+
         self._hosting = NodeHosting(host, node, s, self._ctx, self._link, deregister=self._deregister,
-                                    remember=lambda specs: remember(key, node, specs))
+                                    remember=lambda specs: remember(key, node, specs), engines=True,
+                                    listen_host=listen_host)
         for spec in remembered(key)[1]:  # Ray restarted us: host the same workers again
             try:
                 self._hosting.add(WorkerSpec.model_validate(spec))
@@ -190,13 +196,16 @@ def remove_hosted(names: list[str] | None = None, prefix: str = HOST_PREFIX, der
 
 
 def start_worker(spec: WorkerSpec, settings: Settings, *, detached: bool = False, get_if_exists: bool = False) -> Any:
-    """The worker's metrics plane as `settings.metrics_hosting` says: when hostable, the aggregator
-    if the worker is on the aggregator's node, else that node's metrics host; else its own
-    `WorkerActor`. Returns a handle with `ready`/`stats`/`stop`."""
+    """The worker's metrics plane as `settings.metrics_hosting` says: when hostable, a managed worker
+    in its node's metrics host (which owns its engine), an attach-mode one in the aggregator if on the
+    aggregator's node, else in its node's metrics host; else its own `WorkerActor`. Returns a handle
+    with `ready`/`stats`/`stop`."""
     from actors.aggregator import get_or_create_aggregator
     from actors.worker_actor import start_worker_actor
 
     if settings.metrics_hosting == "node" and hostable(spec):
+        if spec.managed:
+            return start_hosted_worker(spec, settings)
         node = spec.node_id or ray.get_runtime_context().get_node_id()
         agg_node = ray.get(get_or_create_aggregator(settings).node_id.remote(), timeout=60)
         if node == agg_node:

@@ -70,10 +70,11 @@ class Settings(BaseModel):
 
     # worker actor / metrics host
     metrics_hosting: Literal["node", "worker"] = Field(
-        "node", description="where an attach-mode worker's metrics plane runs (kvroute serve, fleet add): 'node' — "
-        "one metrics host actor per Ray node receives all its workers' metrics and sends one batched frame per "
-        "window, which is also their heartbeat; 'worker' — one actor per worker. Managed workers and workers with "
-        "KV events always get their own actor (it reserves the engine's GPUs / serves the KV log)"
+        "node", description="where a worker's metrics plane runs (kvroute serve, fleet add): 'node' — one metrics "
+        "host actor per Ray node receives all its workers' metrics, sends one batched frame per window (also "
+        "their heartbeat) and owns its managed engines' processes; 'worker' — one actor per worker. Workers with "
+        "KV events or Ray resources (num_gpus, num_cpus, resources) always get their own actor (it serves the KV "
+        "log / holds the reservation)"
     )
     push_interval_s: float = Field(0.010, gt=0, description="min gap between metric pushes")
     heartbeat_s: float = Field(0.5, gt=0, description="liveness push period")

@@ -16,7 +16,7 @@ import zmq.asyncio
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.aggregator import get_or_create_aggregator
-from actors.endpoint import EndpointError, _ipc_path, bind_pull  # noqa: F401  (callers import them here)
+from actors.endpoint import EndpointError, _ipc_path, bind_pull, default_endpoint  # noqa: F401  (callers import them here)
 from actors.fleet import WorkerSpec
 from actors.health import HealthProbe, probe_client
 from actors.ingest import MetricsBook
@@ -48,7 +48,7 @@ class WorkerActor:
         self.incarnation = uuid.uuid4().hex[:12]
         self.book = MetricsBook(self.settings.max_frame_bytes)
         self.url = self.spec.url
-        self.endpoint = self.spec.metrics_endpoint or _default_endpoint(self.name)
+        self.endpoint = self.spec.metrics_endpoint or default_endpoint(self.name)
         self._stopping = False
         self._wake = asyncio.Event()  # a push now (liveness or status changed): the pipe's push loop sends it
         self._ctx = zmq.asyncio.Context()
@@ -75,7 +75,7 @@ class WorkerActor:
         if self.spec.managed:
             port = int(self.spec.url.rsplit(":", 1)[1]) if self.spec.url else None
             self.proc = ManagedProcess(self.spec, metrics_endpoint=self.endpoint, port=port,
-                                       host=_listen_host(self.spec.host),
+                                       host=listen_host(self.spec.host),
                                        on_change=self._on_process_change)
             self.url = self.proc.url
             self._launch = loop.create_task(self._start_process())
@@ -92,7 +92,7 @@ class WorkerActor:
         try:
             self.kv = KvSubscriber(self.name, self._ctx, self.settings, spec.kv_events_endpoint,
                                    bind=spec.kv_events_bind, replay_endpoint=spec.kv_events_replay_endpoint,
-                                   ranks=spec.kv_event_ranks, host=_listen_host(spec.host) if
+                                   ranks=spec.kv_event_ranks, host=listen_host(spec.host) if
                                    spec.kv_events_endpoint == "auto" else "127.0.0.1",
                                    peer_host=peer, on_change=self._wake.set)
         except SubscribeError as exc:
@@ -254,7 +254,7 @@ class WorkerActor:
             await asyncio.sleep(min(max(0.0, wait), interval))
 
 
-def _listen_host(host: str) -> str:
+def listen_host(host: str) -> str:
     """Where a managed engine listens: loopback on a one-node Ray (nothing else can reach it),
     the node's IP on a cluster (the router on the head must reach it)."""
     if host != "auto":
@@ -265,13 +265,6 @@ def _listen_host(host: str) -> str:
     except Exception:
         pass
     return "127.0.0.1"
-
-
-def _default_endpoint(name: str) -> str:
-    """Managed workers get a node-local ipc:// path chosen here (SGLang's own is random)."""
-    import tempfile
-
-    return f"ipc://{tempfile.gettempdir()}/kvroute-{name}-{os.getpid()}.metrics"
 
 
 def _node_id() -> str | None:

@@ -1,6 +1,8 @@
 """Node hosting on one local Ray: a real `MetricsHost` hosting attach-mode workers — their metrics
 and liveness in one batched frame per window, all of them `down` ≤ 2 s after the host dies, back
-after Ray restarts it, and the handle callers use (`ready`/`stats`/`stop`) addressed by worker."""
+after Ray restarts it, and the handle callers use (`ready`/`stats`/`stop`) addressed by worker —
+and owning managed engines (real simulated SGLang processes): launched, restarted, stopped with
+their worker, launched again when Ray restarts the host."""
 
 from __future__ import annotations
 
@@ -154,10 +156,11 @@ def test_a_worker_that_needs_its_own_actor_is_refused_by_the_host(agg, tmp_path)
     from actors.models import Settings
     from actors.worker_actor import kill_worker_actors
 
-    managed = WorkerSpec(name="mh-managed", engine="sim", metrics_endpoint=f"ipc://{tmp_path}/m.metrics")
+    gpu = WorkerSpec(name="mh-gpu", engine="sim", num_gpus=1, metrics_endpoint=f"ipc://{tmp_path}/g.metrics")
     kv = WorkerSpec(name="mh-kv", url="http://127.0.0.1:9", metrics_endpoint=f"ipc://{tmp_path}/k.metrics",
                     kv_events_endpoint="tcp://127.0.0.1:5999")
-    assert not hostable(managed) and not hostable(kv)
+    assert not hostable(gpu) and not hostable(kv)
+    assert hostable(WorkerSpec(name="mh-sim", engine="sim"))  # a managed engine without Ray resources is
     with pytest.raises(Exception, match="not hostable"):
         ray.get(start_hosted_worker(kv, Settings(), prefix=PREFIX).ready.remote(), timeout=30)
     # the dispatcher gives it its own WorkerActor instead
@@ -167,6 +170,105 @@ def test_a_worker_that_needs_its_own_actor_is_refused_by_the_host(agg, tmp_path)
     finally:
         kill_worker_actors(names=["mh-kv"])
         ray.get(agg.remove.remote("mh-kv"), timeout=10)
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (reaped later by its parent) counts as gone
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def engine(agg):
+    """One managed simulated SGLang worker whose engine process this node's metrics host owns."""
+    import ray
+
+    from actors.fleet import WorkerSpec
+    from actors.metrics_host import remove_hosted, start_hosted_worker
+    from actors.models import Settings
+
+    spec = WorkerSpec(name=f"mh-eng-{uuid.uuid4().hex[:6]}", engine="sim", page_size=16,
+                      engine_args={"time_scale": 0.25})
+    handle = start_hosted_worker(spec, Settings(), prefix=PREFIX)
+    info = ray.get(handle.ready.remote(), timeout=120)
+    yield spec, handle, info
+    remove_hosted(prefix=PREFIX)
+    ray.get(agg.remove.remote(spec.name), timeout=10)
+
+
+def test_a_hosted_managed_engine_is_launched_reported_and_restarted_by_its_host(agg, engine):
+    import os
+    import signal
+
+    import httpx
+    import ray
+
+    spec, handle, info = engine
+    assert info.managed is not None and info.managed.process == "running" and _alive(info.managed.pid)
+    assert httpx.get(f"{info.url}/health", timeout=5).status_code == 200
+    # the engine is the host's child: no WorkerActor exists for it
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if spec.name in str(a)]
+    with open(f"/proc/{info.managed.pid}/stat") as f:
+        ppid = int(f.read().split(")")[-1].split()[1])
+    assert ppid == ray.get(handle.host.host_stats.remote(), timeout=10).pid
+    w = wait_for(lambda: (x := _snapshot_worker(agg, spec.name)) is not None and x.state == "idle" and x, 15,
+                 what="the managed worker idle in the aggregator's fleet")
+    assert w.managed.pid == info.managed.pid and w.url == info.url
+    # its KvMetrics reach the aggregator through the host's frame (the engine sends them per batch)
+    httpx.post(f"{info.url}/generate", json={"text": "hello " * 200, "sampling_params": {"max_new_tokens": 64}},
+               timeout=30)
+    wait_for(lambda: _snapshot_worker(agg, spec.name).ranks, 10, what="its KvMetrics reported")
+    # the engine dies: down at once (not at the next probe), then launched again with a new pid
+    os.kill(info.managed.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    wait_for(lambda: _snapshot_worker(agg, spec.name).state == "down", 5, interval_s=0.02, what="down")
+    assert time.monotonic() - killed <= 2.0
+    back = wait_for(lambda: (x := _snapshot_worker(agg, spec.name)).state == "idle" and x.managed.pid != info.managed.pid
+                    and x, 60, what="the engine launched again")
+    assert back.managed.restarts >= 1 and _alive(back.managed.pid)
+
+
+def test_stopping_a_hosted_managed_worker_stops_its_engine(agg, engine):
+    import ray
+
+    spec, handle, info = engine
+    pid = info.managed.pid
+    assert ray.get(handle.stop.remote(), timeout=20)
+    wait_for(lambda: not _alive(pid), 10, what="the engine process gone")
+    wait_for(lambda: _snapshot_worker(agg, spec.name) is None, 10, what="the worker gone from the fleet")
+
+
+def test_a_host_restarted_by_ray_launches_its_engines_again(agg, engine):
+    import ray
+
+    spec, handle, info = engine
+    ray.kill(handle.host, no_restart=False)  # the engine dies with its owner (PDEATHSIG), Ray restarts the host
+    wait_for(lambda: not _alive(info.managed.pid), 10, what="the engine gone with its host")
+    back = wait_for(lambda: (x := _snapshot_worker(agg, spec.name)) is not None and x.state == "idle"
+                    and x.managed is not None and x.managed.pid != info.managed.pid and x, 90,
+                    what="the restarted host's engine serving")
+    assert _alive(back.managed.pid)
+
+
+def test_the_aggregator_never_owns_an_engine(agg):
+    import ray
+
+    from actors.fleet import WorkerSpec
+    from actors.metrics_host import start_in_aggregator
+    from actors.models import Settings
+
+    spec = WorkerSpec(name=f"mh-agg-{uuid.uuid4().hex[:6]}", engine="sim")
+    with pytest.raises(Exception, match="does not own engines"):
+        ray.get(start_in_aggregator(spec, Settings()).ready.remote(), timeout=30)
 
 
 def test_a_large_fleet_shortens_every_hosts_window_through_the_aggregator_and_a_quiet_one_restores_it(agg, hosted):
