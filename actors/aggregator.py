@@ -12,12 +12,13 @@ carry the aggregator's token (128 random bits, handed out only through Ray's aut
 calls, kept across restarts) and decode as exactly one typed message; anything else is counted and
 dropped. The PUB stream carries the fleet view (worker URLs and load), no secrets.
 
-It also hosts the attach-mode workers placed on its own node (`actors.hosting.NodeHosting`, the same
-class a node's `MetricsHost` runs): their SGLang PULLs, /health probes and one batched frame per
-window, handed to the registry in-process (`LocalLink`) — no host process and no ZeroMQ hop on the
-aggregator's node. Their specs are remembered in Ray's internal KV: Ray restarting the aggregator
-re-binds them in the new incarnation (their frames in between are lost; the newest after the
-re-bind is what counts). If it restarts on another node (its node died), it does not host them
+It also hosts the workers placed on its own node (`actors.hosting.NodeHosting`, the same class a
+node's `MetricsHost` runs): their SGLang PULLs, /health probes and one batched frame per window,
+handed to the registry in-process (`LocalLink`) — no host process and no ZeroMQ hop on the
+aggregator's node — and the engines of the managed ones (each under a keeper, `actors.keeper`).
+Their specs, and where their engines are, are remembered in Ray's internal KV: Ray restarting the
+aggregator re-binds them in the new incarnation and adopts the engines, which kept running (their
+frames in between are lost; the newest after the re-bind is what counts). If it restarts on another node (its node died), it does not host them
 there — an ipc endpoint is node-local: they go to their node's `MetricsHost` if that node is alive,
 else they died with it and are forgotten.
 """
@@ -41,7 +42,7 @@ import zmq.asyncio
 
 from actors.fleet import WorkerSpec
 from actors.fleet_window import FleetWindow
-from actors.hosting import HostingCalls, LocalLink, NodeHosting, remember, remembered
+from actors.hosting import ENGINE_KEY, HostingCalls, LocalLink, NodeHosting, remember, remembered
 from actors.models import NAMESPACE, Settings
 from actors.protocol import (
     MAX_INGEST_FRAME_BYTES, AggregatorStats, Endpoints, HostFrame, InFlightShare, ProtocolError, decode_ingest,
@@ -154,18 +155,17 @@ class Aggregator(HostingCalls):
         docstring for a restart on another node)."""
         node = ray.get_runtime_context().get_node_id()
         self._local_link = LocalLink(self._local_frame)
+        from actors.worker_actor import listen_host
+
         self._hosting = NodeHosting(AGGREGATOR_NAME, node, self.settings, self._ctx, self._local_link,
-                                    deregister=self.remove, remember=lambda specs: remember(_HOSTED_KEY, node, specs))
+                                    deregister=self.remove, remember=lambda specs: remember(_HOSTED_KEY, node, specs),
+                                    engines=True, listen_host=listen_host)
         was_on, specs = remembered(_HOSTED_KEY)
         if specs and was_on not in (None, node):
             self._hand_off(was_on, specs)
             specs = []
             remember(_HOSTED_KEY, node, [])
-        for spec in specs:
-            try:
-                self._hosting.add(WorkerSpec.model_validate(spec))
-            except Exception as exc:
-                logger.error("cannot host worker %s again after a restart: %s", spec.get("name"), exc)
+        self._hosting.restore(specs)  # their engines adopted
         self._hosting.start()
 
     def _hand_off(self, node: str, specs: list[dict[str, Any]]) -> None:
@@ -182,8 +182,10 @@ class Aggregator(HostingCalls):
         from actors.metrics_host import get_or_create_host
 
         host = get_or_create_host(node, self.settings)
-        for spec in specs:
-            host.add_worker.remote(spec)  # not awaited: the new host reports them as soon as it binds
+        for entry in specs:
+            entry = dict(entry)
+            engine = entry.pop(ENGINE_KEY, None)  # its engine still runs there: that host adopts it
+            host.add_worker.remote(entry, engine)  # not awaited: the new host reports them as soon as it binds
         logger.warning("restarted away from node %s: its workers %s handed to that node's metrics host", node, names)
 
     # --- this node's hosted workers: frames in-process ------------------------------------------

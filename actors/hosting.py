@@ -21,6 +21,7 @@ import uuid
 from typing import Any, Awaitable, Callable
 
 import httpx
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -43,6 +44,24 @@ def hostable(spec: WorkerSpec) -> bool:
     Else it needs its own `WorkerActor`."""
     return (spec.kv_events_endpoint is None and not spec.num_gpus and not spec.num_cpus and not spec.resources
             and (spec.managed or spec.metrics_endpoint is not None))
+
+
+ENGINE_KEY = "kvroute_engine"  # in a remembered spec: where its engine's keeper is
+
+
+class EngineMemory(msgspec.Struct, frozen=True):
+    """Where a hosted managed engine runs, remembered with its spec so a restarted host adopts it."""
+
+    control: str  # its keeper's Unix socket
+    port: int  # its HTTP port
+    endpoint: str  # the metrics endpoint it pushes to
+
+
+def split_memory(entry: dict[str, Any]) -> tuple[WorkerSpec, EngineMemory | None]:
+    """A remembered entry → (its spec, where its engine is, if any). Raises on a malformed one."""
+    entry = dict(entry)
+    engine = entry.pop(ENGINE_KEY, None)
+    return WorkerSpec.model_validate(entry), (msgspec.convert(engine, EngineMemory) if engine else None)
 
 
 class LocalLink:
@@ -85,22 +104,27 @@ class Hosted:
     (launched at once; `launch` is the task that ends when it answers /health)."""
 
     def __init__(self, spec: WorkerSpec, settings: Settings, ctx: zmq.asyncio.Context, http: httpx.AsyncClient,
-                 on_change: Callable[[], None], engine_host: str = "127.0.0.1") -> None:
+                 on_change: Callable[[], None], engine_host: str = "127.0.0.1", *,
+                 adopt: EngineMemory | None = None, on_engine: Callable[[], None] = lambda: None) -> None:
         self.spec = spec
         self.name = spec.name
         self.incarnation = uuid.uuid4().hex[:12]
         self.book = MetricsBook(settings.max_frame_bytes)
-        self.endpoint = spec.metrics_endpoint or (default_endpoint(spec.name) if spec.managed else "")
+        # an adopted engine keeps pushing to the endpoint it was launched with
+        self.endpoint = adopt.endpoint if adopt else (
+            spec.metrics_endpoint or (default_endpoint(spec.name) if spec.managed else ""))
         self._on_change = on_change
+        self._on_engine = on_engine
         self.sock = bind_pull(ctx, self.name, self.endpoint, settings.max_frame_bytes)
         self.health = HealthProbe(self.name, settings, http, on_change, models=spec.declared_models,
                                   discover=not spec.managed)
         self.proc: ManagedProcess | None = None
         self.launch: asyncio.Task | None = None
         if spec.managed:
-            port = int(spec.url.rsplit(":", 1)[1]) if spec.url else None
+            port = adopt.port if adopt else (int(spec.url.rsplit(":", 1)[1]) if spec.url else None)
             self.proc = ManagedProcess(spec, metrics_endpoint=self.endpoint, port=port, host=engine_host,
-                                       on_change=self._on_process_change)
+                                       orphan_grace_s=settings.engine_adopt_grace_s,
+                                       control=adopt.control if adopt else None, on_change=self._on_process_change)
             self.launch = asyncio.get_running_loop().create_task(self._launch())
         self.url = self.proc.url if self.proc is not None else (spec.url or "")
 
@@ -117,7 +141,16 @@ class Hosted:
         # a dead engine is down now, not at the next probe
         if self.proc is not None and not self.proc.alive:
             self.health.set(False, f"engine process {self.proc.status.state}: {self.proc.status.detail}")
+        self._on_engine()  # a new keeper: remember where a restarted host finds it
         self._on_change()
+
+    def memory(self) -> dict[str, Any]:
+        """The spec, and for a managed worker where its engine is (`ENGINE_KEY`): what a restarted host
+        needs to host it again and adopt its engine."""
+        out = self.spec.model_dump(mode="json")
+        if self.proc is not None and self.proc.control:
+            out[ENGINE_KEY] = msgspec.to_builtins(EngineMemory(self.proc.control, self.proc.port, self.endpoint))
+        return out
 
     def report(self) -> WorkerReport:
         page = self.spec.page_size
@@ -180,6 +213,7 @@ class NodeHosting:
         self._remember = remember
         self.pipe = HostPipe(host, link, settings, heartbeat_s=getattr(link, "heartbeat_s", None))
         self.workers: dict[str, Hosted] = {}
+        self._saved: list[dict[str, Any]] | None = None
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
 
@@ -187,7 +221,17 @@ class NodeHosting:
         loop = asyncio.get_running_loop()
         self._tasks = [self.pipe.start(), loop.create_task(self._health_loop())]
 
-    def add(self, spec: WorkerSpec) -> bool:
+    def restore(self, entries: list[dict[str, Any]]) -> None:
+        """Host the remembered `entries` again (after this actor's restart), adopting their engines."""
+        for entry in entries:
+            try:
+                spec, engine = split_memory(entry)
+                self.add(spec, adopt=engine)
+            except Exception as exc:
+                logger.error("host %s: cannot host worker %s again after a restart: %s", self.host, entry.get("name"),
+                             exc)
+
+    def add(self, spec: WorkerSpec, adopt: EngineMemory | None = None) -> bool:
         """Host `spec` (idempotent for the same spec); False if it was hosted already. A managed spec's
         engine starts now (`await ready(name)` waits for its /health). Raises EndpointError if its
         metrics endpoint cannot be bound, ValueError if it is not hostable here or another spec holds
@@ -205,10 +249,11 @@ class NodeHosting:
             raise ValueError(f"worker {spec.name}: {self.host} does not own engines; a managed worker's engine "
                              "belongs to its node's metrics host")
         engine_host = self._listen_host(spec.host) if spec.managed else "127.0.0.1"
-        w = Hosted(spec, self.settings, self._ctx, self._http, lambda: self.pipe.mark(spec.name), engine_host)
+        w = Hosted(spec, self.settings, self._ctx, self._http, lambda: self.pipe.mark(spec.name), engine_host,
+                   adopt=adopt, on_engine=self._save)
         self.workers[spec.name] = w
         self.pipe.add(spec.name, w.sock, w.book, w.report)
-        self._remember([x.spec.model_dump(mode="json") for x in self.workers.values()])
+        self._save()
         logger.info("host %s: worker %s: PULL bound on %s, %s %s/health", self.host, spec.name, w.endpoint,
                     "engine starting," if spec.managed else "probing", w.url)
         return True
@@ -230,7 +275,7 @@ class NodeHosting:
             return False
         self.pipe.remove(name)
         await w.aclose()
-        self._remember([x.spec.model_dump(mode="json") for x in self.workers.values()])
+        self._save()
         if deregister:
             try:
                 await asyncio.wait_for(self._deregister(name), timeout=0.5)
@@ -282,6 +327,13 @@ class NodeHosting:
 
     # --- internals ------------------------------------------------------------------------------
 
+    def _save(self) -> None:
+        """Remember the hosted workers (and where their engines are) when that changed."""
+        memory = [w.memory() for w in self.workers.values()]
+        if memory != self._saved:
+            self._saved = memory
+            self._remember(memory)
+
     def _get(self, name: str) -> Hosted:
         w = self.workers.get(name)
         if w is None:
@@ -314,13 +366,13 @@ class HostingCalls:
 
     _hosting: NodeHosting
 
-    async def add_worker(self, spec: dict[str, Any]) -> WorkerReady:
+    async def add_worker(self, spec: dict[str, Any], adopt: dict[str, Any] | None = None) -> WorkerReady:
         """Host a worker (idempotent for the same spec) and answer once it is ready (`NodeHosting.add`,
-        `NodeHosting.ready`). A managed engine that cannot start is removed again and its
-        LaunchError raised."""
+        `NodeHosting.ready`); `adopt`: an `EngineMemory` (as a dict) of its running engine. A managed
+        engine that cannot start is removed again and its LaunchError raised."""
         ws = WorkerSpec.model_validate(spec)
         self._check_node(ws)
-        self._hosting.add(ws)
+        self._hosting.add(ws, adopt=msgspec.convert(adopt, EngineMemory) if adopt else None)
         try:
             return await self._hosting.ready(ws.name)
         except LaunchError:

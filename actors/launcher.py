@@ -1,8 +1,10 @@
 """Launching and supervising a worker's engine process (managed mode): `sim` or real `sglang`.
 
-Pure asyncio + subprocess (no Ray): the worker actor owns one `ManagedProcess`. It starts the
-child in its own process group, waits for `/health`, restarts it with backoff when it dies
-(bounded), and stops it with SIGTERM then SIGKILL after a grace period — no orphans.
+Pure asyncio + subprocess (no Ray): the worker's owner (its actor, or its node's host) holds one
+`ManagedProcess`. It starts the engine under a keeper (`actors.keeper`: own process group, stopped
+when its owner has been gone `orphan_grace_s`), waits for `/health`, restarts it with backoff when it
+dies (bounded), stops it with SIGTERM then SIGKILL after a grace period, and can adopt the engine of
+a previous incarnation of its owner — no orphans.
 """
 
 from __future__ import annotations
@@ -31,16 +33,6 @@ SGLANG_METRICS_ENV = "KVROUTE_METRICS_IPC_NAME"
 
 class LaunchError(RuntimeError):
     """The engine process could not be started or never became healthy."""
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM if the owning actor's process dies (Linux), so a
-    killed actor never leaves an orphaned engine holding its port."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 # Ports for managed engines (HTTP) and the KV-event sockets kvroute places, picked outside the
@@ -168,7 +160,11 @@ class ProcessStatus:
 
 
 class ManagedProcess:
-    """Owns one engine child process for the lifetime of its worker actor."""
+    """Owns one engine for the lifetime of its worker (its actor, or the host that hosts it): the
+    engine runs under an `actors.keeper` process, which this object talks to over a Unix socket
+    (`control`). `orphan_grace_s` > 0 lets the engine outlive this object's process that long, so
+    that a restarted owner that remembers `control` adopts it (`start()` connects instead of
+    launching); 0 stops it as soon as the owner is gone."""
 
     def __init__(
         self,
@@ -181,6 +177,8 @@ class ManagedProcess:
         max_restarts: int = 5,
         restart_backoff_s: float = 0.5,
         stop_grace_s: float = 5.0,
+        orphan_grace_s: float = 0.0,
+        control: str | None = None,
         on_change: Callable[[], None] | None = None,
     ) -> None:
         self.spec = spec
@@ -192,39 +190,106 @@ class ManagedProcess:
         self.max_restarts = max_restarts
         self.restart_backoff_s = restart_backoff_s
         self.stop_grace_s = stop_grace_s
+        self.orphan_grace_s = orphan_grace_s
+        self.control = control  # the keeper's socket: given, an engine to adopt; else set by each launch
+        self.adopted = False
         self.on_change = on_change or (lambda: None)
         self.status = ProcessStatus()
-        self._proc: asyncio.subprocess.Process | None = None
+        self._keeper_pid: int | None = None
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._running = False
         self._stopping = False
         self._supervisor: asyncio.Task | None = None
         self._healthy = asyncio.Event()
 
     @property
     def alive(self) -> bool:
-        return self._proc is not None and self._proc.returncode is None
+        return self._running
 
     def command(self) -> tuple[list[str], dict[str, str]]:
         return build_command(self.spec, host=self.host, port=self.port, metrics_endpoint=self.metrics_endpoint)
 
     async def start(self) -> None:
-        """Start the child and its supervisor; returns at once (see `wait_healthy`)."""
-        await self._spawn()
+        """Adopt the engine of `control` if its keeper still runs, else launch one; start the
+        supervisor. Returns at once (see `wait_healthy`)."""
+        if not (self.control and await self._adopt()):
+            await self._spawn()
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
 
+    async def _adopt(self) -> bool:
+        assert self.control is not None
+        try:
+            await self._connect(self.control, timeout_s=1.0)
+        except LaunchError as exc:
+            logger.info("worker %s: no engine to adopt (%s); launching one", self.spec.name, exc)
+            return False
+        self.adopted = True
+        self._set("starting", f"adopted engine pid {self.status.pid} (keeper {self.control})")
+        logger.info("worker %s: adopted engine pid %s on %s", self.spec.name, self.status.pid, self.url)
+        return True
+
     async def _spawn(self) -> None:
+        from actors.keeper import control_dir
+
         cmd, env_extra = self.command()
         env = {**os.environ, **env_extra}
+        self.control = os.path.join(control_dir(), f"{self.spec.name}-{os.urandom(4).hex()}.ctl")
+        keeper = [sys.executable, "-m", "actors.keeper", "--control", self.control,
+                  "--grace-s", str(self.orphan_grace_s), "--stop-grace-s", str(self.stop_grace_s), "--", *cmd]
         try:
-            self._proc = await asyncio.create_subprocess_exec(
-                *cmd, env=env, stdin=asyncio.subprocess.DEVNULL, start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
+            launcher = await asyncio.create_subprocess_exec(
+                *keeper, env=env, stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
         except OSError as exc:
-            raise LaunchError(f"worker {self.spec.name}: cannot start {cmd[0]}: {exc}") from None
+            raise LaunchError(f"worker {self.spec.name}: cannot start {sys.executable}: {exc}") from None
+        # it returns once the (detached) keeper runs the engine
+        code = await launcher.wait()
+        if code != 0:
+            raise LaunchError(f"worker {self.spec.name}: cannot start its engine {cmd[:4]} (keeper exit {code}; "
+                              "see this actor's log)")
         self._healthy.clear()
-        self._set("starting", f"pid {self._proc.pid}: {' '.join(cmd[:4])} …")
-        self.status.pid = self._proc.pid
-        logger.info("worker %s: started engine pid %d", self.spec.name, self._proc.pid)
+        await self._connect(self.control, timeout_s=30.0)
+        self._set("starting", f"pid {self.status.pid}: {' '.join(cmd[:4])} …")
+        logger.info("worker %s: started engine pid %d", self.spec.name, self.status.pid)
+
+    async def _connect(self, path: str, timeout_s: float) -> None:
+        """Connect to the keeper at `path` and read the engine's pid; LaunchError if that fails in time."""
+        deadline = time.monotonic() + timeout_s
+        last = "no keeper socket"
+        while True:
+            try:
+                reader, writer = await asyncio.open_unix_connection(path)
+                line = await asyncio.wait_for(reader.readline(), max(0.1, deadline - time.monotonic()))
+                hello = json.loads(line)
+                pid, keeper = int(hello["pid"]), int(hello["keeper"])
+                break
+            except (OSError, ValueError, KeyError, TypeError, asyncio.TimeoutError) as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            if time.monotonic() >= deadline:
+                raise LaunchError(f"worker {self.spec.name}: cannot reach the engine's keeper at {path} ({last})")
+            await asyncio.sleep(0.02)
+        self._reader, self._writer = reader, writer
+        self._running = True
+        self.status.pid, self._keeper_pid = pid, keeper
+
+    async def _wait_exit(self) -> int | None:
+        """The engine's exit code, as its keeper tells it (None: the keeper itself died, and the
+        engine with it)."""
+        assert self._reader is not None
+        code: int | None = None
+        try:
+            while line := await self._reader.readline():
+                try:
+                    code = int(json.loads(line)["exit"])
+                    break
+                except (ValueError, KeyError, TypeError):
+                    continue
+        except (ConnectionError, OSError):
+            pass
+        self._running = False
+        if self._writer is not None:
+            self._writer.close()
+        return code
 
     def _set(self, state: str, detail: str) -> None:
         self.status.state, self.status.detail = state, detail
@@ -232,13 +297,12 @@ class ManagedProcess:
         self.on_change()
 
     async def wait_healthy(self, progress: Callable[[str], None] | None = None) -> None:
-        """Poll `/health` until 200, the child exits, or `health_timeout_s` passes."""
+        """Poll `/health` until 200, the engine has failed for good, or `health_timeout_s` passes."""
         deadline = time.monotonic() + self.health_timeout_s
         async with httpx.AsyncClient(timeout=2.0) as client:
             while True:
-                if self._proc is not None and self._proc.returncode is not None and not self._stopping:
-                    if self.status.state == "failed":
-                        raise LaunchError(f"worker {self.spec.name}: engine exited ({self.status.detail})")
+                if not self._running and not self._stopping and self.status.state == "failed":
+                    raise LaunchError(f"worker {self.spec.name}: engine exited ({self.status.detail})")
                 try:
                     r = await client.get(f"{self.url}/health")
                     if r.status_code == 200:
@@ -260,8 +324,7 @@ class ManagedProcess:
     async def _supervise(self) -> None:
         backoff = self.restart_backoff_s
         while not self._stopping:
-            assert self._proc is not None
-            code = await self._proc.wait()
+            code = await self._wait_exit()
             if self._stopping:
                 return
             self.status.last_exit = code
@@ -284,20 +347,23 @@ class ManagedProcess:
                 logger.warning("%s", exc)
 
     async def stop(self) -> None:
-        """SIGTERM the child's process group, SIGKILL after `stop_grace_s`."""
+        """Stop the engine: its keeper sends SIGTERM to its process group, SIGKILL after
+        `stop_grace_s`; if the keeper does not answer, SIGKILL to the engine's group and the keeper."""
         self._stopping = True
         if self._supervisor is not None:
             self._supervisor.cancel()
-        proc = self._proc
-        if proc is not None and proc.returncode is None:
-            for sig, wait in ((signal.SIGTERM, self.stop_grace_s), (signal.SIGKILL, 5.0)):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    await asyncio.wait_for(proc.wait(), wait)
-                    break
-                except asyncio.TimeoutError:
-                    continue
+            await asyncio.wait({self._supervisor}, timeout=1.0)
+        if self._running and self._writer is not None:
+            try:
+                self._writer.write(b"stop\n")
+                await self._writer.drain()
+                await asyncio.wait_for(self._wait_exit(), self.stop_grace_s + 6.0)
+            except (ConnectionError, OSError, asyncio.TimeoutError):
+                for pid in (self.status.pid, self._keeper_pid):
+                    if pid:
+                        try:
+                            os.killpg(pid, signal.SIGKILL)
+                        except (ProcessLookupError, PermissionError):
+                            pass
+                self._running = False
         self._set("stopped", "stopped by kvroute")

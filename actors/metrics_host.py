@@ -6,10 +6,10 @@ one per worker).
 
 The host role itself is `actors.hosting.NodeHosting`, written once: the aggregator runs the same
 class for the workers on its own node (no host process there, frames into its registry in-process),
-so for attach-mode workers a `MetricsHost` exists only on the other nodes. `start_worker` picks: an
-attach-mode worker on the aggregator's node → the aggregator; a managed worker, or one on another
-node → its node's `MetricsHost` (engines never live in the aggregator: its restart would take them
-down with it; a host's restart does, and it launches them again).
+so a `MetricsHost` exists only on the other nodes. `start_worker` picks: the aggregator's node → the
+aggregator; another node → that node's `MetricsHost`. Either owns the engines of the managed workers
+it hosts, each under a keeper (`actors.keeper`) that lets it outlive its owner's restart by
+`Settings.engine_adopt_grace_s`: the restarted actor adopts it (no engine restart, no model reload).
 
 Which workers are hosted (`hostable`): no KV events (exact prefix mode: routers long-poll a worker
 actor's KV log) and no Ray resources to reserve (`num_gpus`, `num_cpus`, `resources`: Ray assigns
@@ -58,11 +58,7 @@ class MetricsHost(HostingCalls):
         self._hosting = NodeHosting(host, node, s, self._ctx, self._link, deregister=self._deregister,
                                     remember=lambda specs: remember(key, node, specs), engines=True,
                                     listen_host=listen_host)
-        for spec in remembered(key)[1]:  # Ray restarted us: host the same workers again
-            try:
-                self._hosting.add(WorkerSpec.model_validate(spec))
-            except Exception as exc:
-                logger.error("host %s: cannot host worker %s again after a restart: %s", host, spec.get("name"), exc)
+        self._hosting.restore(remembered(key)[1])  # Ray restarted us: the same workers, their engines adopted
         self._hosting.start()
         logger.info("metrics host %s up (%d workers)", host, len(self._hosting.workers))
 
@@ -196,16 +192,13 @@ def remove_hosted(names: list[str] | None = None, prefix: str = HOST_PREFIX, der
 
 
 def start_worker(spec: WorkerSpec, settings: Settings, *, detached: bool = False, get_if_exists: bool = False) -> Any:
-    """The worker's metrics plane as `settings.metrics_hosting` says: when hostable, a managed worker
-    in its node's metrics host (which owns its engine), an attach-mode one in the aggregator if on the
-    aggregator's node, else in its node's metrics host; else its own `WorkerActor`. Returns a handle
-    with `ready`/`stats`/`stop`."""
+    """The worker's metrics plane as `settings.metrics_hosting` says: when hostable, the aggregator if
+    the worker is on the aggregator's node, else that node's metrics host (either owns a managed
+    worker's engine); else its own `WorkerActor`. Returns a handle with `ready`/`stats`/`stop`."""
     from actors.aggregator import get_or_create_aggregator
     from actors.worker_actor import start_worker_actor
 
     if settings.metrics_hosting == "node" and hostable(spec):
-        if spec.managed:
-            return start_hosted_worker(spec, settings)
         node = spec.node_id or ray.get_runtime_context().get_node_id()
         agg_node = ray.get(get_or_create_aggregator(settings).node_id.remote(), timeout=60)
         if node == agg_node:

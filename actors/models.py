@@ -76,6 +76,11 @@ class Settings(BaseModel):
         "KV events or Ray resources (num_gpus, num_cpus, resources) always get their own actor (it serves the KV "
         "log / holds the reservation)"
     )
+    engine_adopt_grace_s: float = Field(
+        60.0, ge=0, description="how long a hosted managed engine outlives its host (a node's metrics host, or the "
+        "aggregator) so that Ray's restart of that actor adopts it instead of launching it again (its keeper "
+        "stops it when no one has adopted it by then). 0: it stops with its host"
+    )
     push_interval_s: float = Field(0.010, gt=0, description="min gap between metric pushes")
     heartbeat_s: float = Field(0.5, gt=0, description="liveness push period")
     health_interval_s: float = Field(

@@ -187,6 +187,14 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _keeper_of(pid: int) -> bool:
+    """True if `pid`'s parent is a kvroute engine keeper."""
+    with open(f"/proc/{pid}/stat") as f:
+        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+    with open(f"/proc/{ppid}/cmdline", "rb") as f:
+        return b"actors.keeper" in f.read()
+
+
 @pytest.fixture
 def engine(agg):
     """One managed simulated SGLang worker whose engine process this node's metrics host owns."""
@@ -215,11 +223,9 @@ def test_a_hosted_managed_engine_is_launched_reported_and_restarted_by_its_host(
     spec, handle, info = engine
     assert info.managed is not None and info.managed.process == "running" and _alive(info.managed.pid)
     assert httpx.get(f"{info.url}/health", timeout=5).status_code == 200
-    # the engine is the host's child: no WorkerActor exists for it
+    # the host owns the engine (through its keeper): no WorkerActor exists for it
     assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if spec.name in str(a)]
-    with open(f"/proc/{info.managed.pid}/stat") as f:
-        ppid = int(f.read().split(")")[-1].split()[1])
-    assert ppid == ray.get(handle.host.host_stats.remote(), timeout=10).pid
+    assert _keeper_of(info.managed.pid)
     w = wait_for(lambda: (x := _snapshot_worker(agg, spec.name)) is not None and x.state == "idle" and x, 15,
                  what="the managed worker idle in the aggregator's fleet")
     assert w.managed.pid == info.managed.pid and w.url == info.url
@@ -247,28 +253,52 @@ def test_stopping_a_hosted_managed_worker_stops_its_engine(agg, engine):
     wait_for(lambda: _snapshot_worker(agg, spec.name) is None, 10, what="the worker gone from the fleet")
 
 
-def test_a_host_restarted_by_ray_launches_its_engines_again(agg, engine):
+def test_a_host_restarted_by_ray_adopts_its_running_engines(agg, engine):
     import ray
 
     spec, handle, info = engine
-    ray.kill(handle.host, no_restart=False)  # the engine dies with its owner (PDEATHSIG), Ray restarts the host
-    wait_for(lambda: not _alive(info.managed.pid), 10, what="the engine gone with its host")
+    before = ray.get(handle.host.host_stats.remote(), timeout=10).incarnation
+    ray.kill(handle.host, no_restart=False)  # the host dies; its engine's keeper waits engine_adopt_grace_s
+    wait_for(lambda: ray.get(handle.host.host_stats.remote(), timeout=5).incarnation != before, 60, interval_s=0.1,
+             what="the host restarted by Ray")
     back = wait_for(lambda: (x := _snapshot_worker(agg, spec.name)) is not None and x.state == "idle"
-                    and x.managed is not None and x.managed.pid != info.managed.pid and x, 90,
-                    what="the restarted host's engine serving")
-    assert _alive(back.managed.pid)
+                    and x.managed is not None and x.managed.pid == info.managed.pid and x, 30,
+                    what="the restarted host serving the same engine")
+    assert back.managed.restarts == 0 and back.url == info.url and _alive(info.managed.pid)
+    assert "adopted" in back.managed.detail or back.managed.process == "running"
+    # and it still owns it: stopping the worker stops the adopted engine
+    assert ray.get(handle.stop.remote(), timeout=20)
+    wait_for(lambda: not _alive(info.managed.pid), 10, what="the adopted engine stopped with its worker")
 
 
-def test_the_aggregator_never_owns_an_engine(agg):
+def test_the_aggregator_owns_its_nodes_engines_and_adopts_them_after_its_restart(agg):
+    import httpx
     import ray
 
     from actors.fleet import WorkerSpec
-    from actors.metrics_host import start_in_aggregator
+    from actors.metrics_host import start_worker
     from actors.models import Settings
 
-    spec = WorkerSpec(name=f"mh-agg-{uuid.uuid4().hex[:6]}", engine="sim")
-    with pytest.raises(Exception, match="does not own engines"):
-        ray.get(start_in_aggregator(spec, Settings()).ready.remote(), timeout=30)
+    spec = WorkerSpec(name=f"mh-agg-{uuid.uuid4().hex[:6]}", engine="sim", page_size=16,
+                      engine_args={"time_scale": 0.25})
+    handle = start_worker(spec, Settings())  # managed, on the aggregator's node: the aggregator hosts it
+    assert handle.host._actor_id == agg._actor_id
+    info = ray.get(handle.ready.remote(), timeout=120)
+    try:
+        assert _keeper_of(info.managed.pid)
+        wait_for(lambda: (x := _snapshot_worker(agg, spec.name)) is not None and x.state == "idle", 15,
+                 what="the engine idle in the fleet")
+        epoch = ray.get(agg.endpoints.remote(), timeout=10).epoch
+        ray.kill(agg, no_restart=False)
+        wait_for(lambda: ray.get(agg.endpoints.remote(), timeout=5).epoch != epoch, 60, interval_s=0.1,
+                 what="the aggregator restarted by Ray")
+        back = wait_for(lambda: (x := _snapshot_worker(agg, spec.name)) is not None and x.state == "idle" and x, 30,
+                        what="the engine back in the restarted aggregator's fleet")
+        assert back.managed.pid == info.managed.pid and back.managed.restarts == 0
+        assert httpx.get(f"{info.url}/health", timeout=5).status_code == 200
+    finally:
+        ray.get(handle.stop.remote(), timeout=20)
+    wait_for(lambda: not _alive(info.managed.pid), 10, what="the engine stopped with its worker")
 
 
 def test_a_large_fleet_shortens_every_hosts_window_through_the_aggregator_and_a_quiet_one_restores_it(agg, hosted):
