@@ -40,7 +40,6 @@ import ray
 import zmq
 import zmq.asyncio
 
-from actors.fleet import WorkerSpec
 from actors.fleet_window import FleetWindow
 from actors.hosting import ENGINE_KEY, HostingCalls, LocalLink, NodeHosting, remember, remembered
 from actors.models import NAMESPACE, Settings
