@@ -41,7 +41,7 @@ import zmq
 import zmq.asyncio
 
 from actors.fleet_window import FleetWindow
-from actors.hosting import ENGINE_KEY, HostingCalls, LocalLink, NodeHosting, remember, remembered
+from actors.hosting import ENGINE_KEY, ENV_KEY, HostingCalls, LocalLink, NodeHosting, remember, remembered
 from actors.models import NAMESPACE, Settings
 from actors.protocol import (
     MAX_INGEST_FRAME_BYTES, AggregatorStats, Endpoints, HostFrame, InFlightShare, ProtocolError, decode_ingest,
@@ -154,11 +154,12 @@ class Aggregator(HostingCalls):
         docstring for a restart on another node)."""
         node = ray.get_runtime_context().get_node_id()
         self._local_link = LocalLink(self._local_frame)
+        from actors.reservation import release
         from actors.worker_actor import listen_host
 
         self._hosting = NodeHosting(AGGREGATOR_NAME, node, self.settings, self._ctx, self._local_link,
                                     deregister=self.remove, remember=lambda specs: remember(_HOSTED_KEY, node, specs),
-                                    engines=True, listen_host=listen_host)
+                                    engines=True, listen_host=listen_host, release=release)
         was_on, specs = remembered(_HOSTED_KEY)
         if specs and was_on not in (None, node):
             self._hand_off(was_on, specs)
@@ -183,8 +184,8 @@ class Aggregator(HostingCalls):
         host = get_or_create_host(node, self.settings)
         for entry in specs:
             entry = dict(entry)
-            engine = entry.pop(ENGINE_KEY, None)  # its engine still runs there: that host adopts it
-            host.add_worker.remote(entry, engine)  # not awaited: the new host reports them as soon as it binds
+            engine, env = entry.pop(ENGINE_KEY, None), entry.pop(ENV_KEY, None)  # that host adopts its engine
+            host.add_worker.remote(entry, engine, env)  # not awaited: the new host reports them as soon as it binds
         logger.warning("restarted away from node %s: its workers %s handed to that node's metrics host", node, names)
 
     # --- this node's hosted workers: frames in-process ------------------------------------------

@@ -39,14 +39,21 @@ logger = logging.getLogger("kvroute.host")
 
 def hostable(spec: WorkerSpec) -> bool:
     """True if `spec` can live in its node's host: no KV events (routers long-poll a worker actor's KV
-    log) and no Ray resources to reserve (Ray gives GPUs to the process that asks for them) — attach
-    mode with its metrics endpoint, or a managed engine (its node's `MetricsHost` owns the process).
-    Else it needs its own `WorkerActor`."""
-    return (spec.kv_events_endpoint is None and not spec.num_gpus and not spec.num_cpus and not spec.resources
-            and (spec.managed or spec.metrics_endpoint is not None))
+    log); a managed engine (the host owns the process; its Ray resources, if any, are held by a
+    placement group: `actors.reservation`), or attach mode with its metrics endpoint and no Ray
+    resources to hold. Else it needs its own `WorkerActor`."""
+    if spec.kv_events_endpoint is not None:
+        return False
+    return spec.managed or (spec.metrics_endpoint is not None and not needs_reservation(spec))
+
+
+def needs_reservation(spec: WorkerSpec) -> bool:
+    """True if `spec` asks Ray for resources (`num_gpus`, `num_cpus`, `resources`)."""
+    return bool(spec.num_gpus or spec.num_cpus or spec.resources)
 
 
 ENGINE_KEY = "kvroute_engine"  # in a remembered spec: where its engine's keeper is
+ENV_KEY = "kvroute_engine_env"  # … and the environment it is launched with (its reserved GPUs)
 
 
 class EngineMemory(msgspec.Struct, frozen=True):
@@ -57,11 +64,13 @@ class EngineMemory(msgspec.Struct, frozen=True):
     endpoint: str  # the metrics endpoint it pushes to
 
 
-def split_memory(entry: dict[str, Any]) -> tuple[WorkerSpec, EngineMemory | None]:
-    """A remembered entry → (its spec, where its engine is, if any). Raises on a malformed one."""
+def split_memory(entry: dict[str, Any]) -> tuple[WorkerSpec, EngineMemory | None, dict[str, str]]:
+    """A remembered entry → (its spec, where its engine is if any, its engine's environment). Raises
+    on a malformed one."""
     entry = dict(entry)
     engine = entry.pop(ENGINE_KEY, None)
-    return WorkerSpec.model_validate(entry), (msgspec.convert(engine, EngineMemory) if engine else None)
+    env = msgspec.convert(entry.pop(ENV_KEY, None) or {}, dict[str, str])
+    return WorkerSpec.model_validate(entry), (msgspec.convert(engine, EngineMemory) if engine else None), env
 
 
 class LocalLink:
@@ -105,7 +114,8 @@ class Hosted:
 
     def __init__(self, spec: WorkerSpec, settings: Settings, ctx: zmq.asyncio.Context, http: httpx.AsyncClient,
                  on_change: Callable[[], None], engine_host: str = "127.0.0.1", *,
-                 adopt: EngineMemory | None = None, on_engine: Callable[[], None] = lambda: None) -> None:
+                 adopt: EngineMemory | None = None, env: dict[str, str] | None = None,
+                 on_engine: Callable[[], None] = lambda: None) -> None:
         self.spec = spec
         self.name = spec.name
         self.incarnation = uuid.uuid4().hex[:12]
@@ -115,6 +125,7 @@ class Hosted:
             spec.metrics_endpoint or (default_endpoint(spec.name) if spec.managed else ""))
         self._on_change = on_change
         self._on_engine = on_engine
+        self.env = dict(env or {})
         self.sock = bind_pull(ctx, self.name, self.endpoint, settings.max_frame_bytes)
         self.health = HealthProbe(self.name, settings, http, on_change, models=spec.declared_models,
                                   discover=not spec.managed)
@@ -123,7 +134,7 @@ class Hosted:
         if spec.managed:
             port = adopt.port if adopt else (int(spec.url.rsplit(":", 1)[1]) if spec.url else None)
             self.proc = ManagedProcess(spec, metrics_endpoint=self.endpoint, port=port, host=engine_host,
-                                       orphan_grace_s=settings.engine_adopt_grace_s,
+                                       orphan_grace_s=settings.engine_adopt_grace_s, env=self.env,
                                        control=adopt.control if adopt else None, on_change=self._on_process_change)
             self.launch = asyncio.get_running_loop().create_task(self._launch())
         self.url = self.proc.url if self.proc is not None else (spec.url or "")
@@ -150,6 +161,8 @@ class Hosted:
         out = self.spec.model_dump(mode="json")
         if self.proc is not None and self.proc.control:
             out[ENGINE_KEY] = msgspec.to_builtins(EngineMemory(self.proc.control, self.proc.port, self.endpoint))
+        if self.env:
+            out[ENV_KEY] = dict(self.env)
         return out
 
     def report(self) -> WorkerReport:
@@ -194,14 +207,16 @@ class NodeHosting:
 
     `deregister(name)` drops a removed worker from the aggregator's fleet; `remember(specs)` keeps
     the hosted specs where a restarted actor finds them (`remembered(key)`). `engines`: this host may
-    own managed engines (a `MetricsHost`; never the aggregator, whose restart would take them down),
-    listening where `listen_host(spec.host)` says. Start with `start()` inside the event loop, end
+    own managed engines, listening where `listen_host(spec.host)` says; `release(name)` frees the
+    Ray resources held for a removed one. Start with `start()` inside the event loop, end
     with `await stop()`."""
 
     def __init__(self, host: str, node_id: str | None, settings: Settings, ctx: zmq.asyncio.Context, link: Any, *,
                  deregister: Callable[[str], Awaitable[Any]], remember: Callable[[list[dict[str, Any]]], None],
-                 engines: bool = False, listen_host: Callable[[str], str] | None = None) -> None:
+                 engines: bool = False, listen_host: Callable[[str], str] | None = None,
+                 release: Callable[[str], Any] | None = None) -> None:
         self.host = host
+        self._release = release
         self.engines = engines
         self._listen_host = listen_host or (lambda h: "127.0.0.1" if h == "auto" else h)
         self.node_id = node_id
@@ -225,15 +240,16 @@ class NodeHosting:
         """Host the remembered `entries` again (after this actor's restart), adopting their engines."""
         for entry in entries:
             try:
-                spec, engine = split_memory(entry)
-                self.add(spec, adopt=engine)
+                spec, engine, env = split_memory(entry)
+                self.add(spec, adopt=engine, env=env)
             except Exception as exc:
                 logger.error("host %s: cannot host worker %s again after a restart: %s", self.host, entry.get("name"),
                              exc)
 
-    def add(self, spec: WorkerSpec, adopt: EngineMemory | None = None) -> bool:
+    def add(self, spec: WorkerSpec, adopt: EngineMemory | None = None, env: dict[str, str] | None = None) -> bool:
         """Host `spec` (idempotent for the same spec); False if it was hosted already. A managed spec's
-        engine starts now (`await ready(name)` waits for its /health). Raises EndpointError if its
+        engine starts now with `env` added (`await ready(name)` waits for its /health), or is adopted
+        (`adopt`). Raises EndpointError if its
         metrics endpoint cannot be bound, ValueError if it is not hostable here or another spec holds
         its name."""
         have = self.workers.get(spec.name)
@@ -250,7 +266,7 @@ class NodeHosting:
                              "belongs to its node's metrics host")
         engine_host = self._listen_host(spec.host) if spec.managed else "127.0.0.1"
         w = Hosted(spec, self.settings, self._ctx, self._http, lambda: self.pipe.mark(spec.name), engine_host,
-                   adopt=adopt, on_engine=self._save)
+                   adopt=adopt, env=env, on_engine=self._save)
         self.workers[spec.name] = w
         self.pipe.add(spec.name, w.sock, w.book, w.report)
         self._save()
@@ -276,6 +292,11 @@ class NodeHosting:
         self.pipe.remove(name)
         await w.aclose()
         self._save()
+        if self._release is not None and w.spec.managed and needs_reservation(w.spec):
+            try:  # its engine is gone: free what Ray held for it
+                await asyncio.to_thread(self._release, name)
+            except Exception as exc:
+                logger.warning("host %s: worker %s: cannot release its Ray resources: %s", self.host, name, exc)
         if deregister:
             try:
                 await asyncio.wait_for(self._deregister(name), timeout=0.5)
@@ -366,13 +387,16 @@ class HostingCalls:
 
     _hosting: NodeHosting
 
-    async def add_worker(self, spec: dict[str, Any], adopt: dict[str, Any] | None = None) -> WorkerReady:
+    async def add_worker(self, spec: dict[str, Any], adopt: dict[str, Any] | None = None,
+                         env: dict[str, str] | None = None) -> WorkerReady:
         """Host a worker (idempotent for the same spec) and answer once it is ready (`NodeHosting.add`,
-        `NodeHosting.ready`); `adopt`: an `EngineMemory` (as a dict) of its running engine. A managed
+        `NodeHosting.ready`); `adopt`: an `EngineMemory` (as a dict) of its running engine; `env`: its
+        engine's environment (`Reservation.env()`). A managed
         engine that cannot start is removed again and its LaunchError raised."""
         ws = WorkerSpec.model_validate(spec)
         self._check_node(ws)
-        self._hosting.add(ws, adopt=msgspec.convert(adopt, EngineMemory) if adopt else None)
+        self._hosting.add(ws, adopt=msgspec.convert(adopt, EngineMemory) if adopt else None,
+                          env=msgspec.convert(env or {}, dict[str, str]))
         try:
             return await self._hosting.ready(ws.name)
         except LaunchError:

@@ -144,6 +144,20 @@ def kv_events_config(spec: WorkerSpec, host: str) -> dict[str, Any]:
     return cfg
 
 
+def _unlink_if_stale(path: str) -> None:
+    """Remove `path` if it is a Unix socket nobody listens on."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(path)
+        except ConnectionRefusedError:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        except OSError:
+            pass
+
+
 @dataclass(slots=True)
 class ProcessStatus:
     state: str = "starting"  # starting | running | restarting | failed | stopped
@@ -179,6 +193,7 @@ class ManagedProcess:
         stop_grace_s: float = 5.0,
         orphan_grace_s: float = 0.0,
         control: str | None = None,
+        env: dict[str, str] | None = None,
         on_change: Callable[[], None] | None = None,
     ) -> None:
         self.spec = spec
@@ -191,6 +206,7 @@ class ManagedProcess:
         self.restart_backoff_s = restart_backoff_s
         self.stop_grace_s = stop_grace_s
         self.orphan_grace_s = orphan_grace_s
+        self.env = dict(env or {})  # added to the engine's environment (its reserved GPUs)
         self.control = control  # the keeper's socket: given, an engine to adopt; else set by each launch
         self.adopted = False
         self.on_change = on_change or (lambda: None)
@@ -223,6 +239,7 @@ class ManagedProcess:
             await self._connect(self.control, timeout_s=1.0)
         except LaunchError as exc:
             logger.info("worker %s: no engine to adopt (%s); launching one", self.spec.name, exc)
+            _unlink_if_stale(self.control)  # a keeper killed with SIGKILL leaves its socket file behind
             return False
         self.adopted = True
         self._set("starting", f"adopted engine pid {self.status.pid} (keeper {self.control})")
@@ -233,7 +250,7 @@ class ManagedProcess:
         from actors.keeper import control_dir
 
         cmd, env_extra = self.command()
-        env = {**os.environ, **env_extra}
+        env = {**os.environ, **self.env, **env_extra}
         self.control = os.path.join(control_dir(), f"{self.spec.name}-{os.urandom(4).hex()}.ctl")
         keeper = [sys.executable, "-m", "actors.keeper", "--control", self.control,
                   "--grace-s", str(self.orphan_grace_s), "--stop-grace-s", str(self.stop_grace_s), "--", *cmd]

@@ -11,9 +11,11 @@ aggregator; another node → that node's `MetricsHost`. Either owns the engines 
 it hosts, each under a keeper (`actors.keeper`) that lets it outlive its owner's restart by
 `Settings.engine_adopt_grace_s`: the restarted actor adopts it (no engine restart, no model reload).
 
-Which workers are hosted (`hostable`): no KV events (exact prefix mode: routers long-poll a worker
-actor's KV log) and no Ray resources to reserve (`num_gpus`, `num_cpus`, `resources`: Ray assigns
-GPUs to the process that asks for them, so such a worker keeps its own `WorkerActor`).
+Which workers are hosted (`hostable`): every managed worker and every attach-mode one without Ray
+resources, unless it publishes KV events (exact prefix mode: routers long-poll a worker actor's KV
+log, so it keeps its own `WorkerActor`). A managed worker's `num_gpus` / `num_cpus` / `resources`
+are held by a placement group (`actors.reservation`), which also picks its node; its engine gets the
+group's GPUs as `CUDA_VISIBLE_DEVICES`.
 
 The host is named per node (`kvroute-metrics-host-<node id>`), detached, pinned to its node,
 get-or-create. It remembers its workers' specs in Ray's internal KV, so Ray restarting it
@@ -31,7 +33,7 @@ import zmq.asyncio
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.fleet import WorkerSpec
-from actors.hosting import HostingCalls, LocalLink, NodeHosting, hostable, remember, remembered  # noqa: F401
+from actors.hosting import HostingCalls, LocalLink, NodeHosting, hostable, needs_reservation, remember, remembered  # noqa: F401 (re-exported)
 from actors.link import AggregatorLink
 from actors.models import NAMESPACE, Settings
 
@@ -53,11 +55,12 @@ class MetricsHost(HostingCalls):
                                     follow_window=True)  # the aggregator's fleet-wide window (actors.fleet_window)
         node = ray.get_runtime_context().get_node_id()
         key = f"{host}-workers"
+        from actors.reservation import release
         from actors.worker_actor import listen_host
 
         self._hosting = NodeHosting(host, node, s, self._ctx, self._link, deregister=self._deregister,
                                     remember=lambda specs: remember(key, node, specs), engines=True,
-                                    listen_host=listen_host)
+                                    listen_host=listen_host, release=release)
         self._hosting.restore(remembered(key)[1])  # Ray restarted us: the same workers, their engines adopted
         self._hosting.start()
         logger.info("metrics host %s up (%d workers)", host, len(self._hosting.workers))
@@ -127,18 +130,20 @@ class HostedWorker:
         return _Bound(self.host.remove_worker, self.name)
 
 
-def start_hosted_worker(spec: WorkerSpec, settings: Settings, prefix: str = HOST_PREFIX) -> HostedWorker:
-    """Host `spec` in its node's `MetricsHost` (`spec.node_id`, else this process's node)."""
+def start_hosted_worker(spec: WorkerSpec, settings: Settings, prefix: str = HOST_PREFIX,
+                        env: dict[str, str] | None = None) -> HostedWorker:
+    """Host `spec` in its node's `MetricsHost` (`spec.node_id`, else this process's node); `env`: its
+    managed engine's environment."""
     host = get_or_create_host(spec.node_id, settings, prefix)
-    return HostedWorker(host, spec.name, host.add_worker.remote(spec.model_dump(mode="json")))
+    return HostedWorker(host, spec.name, host.add_worker.remote(spec.model_dump(mode="json"), None, env))
 
 
-def start_in_aggregator(spec: WorkerSpec, settings: Settings) -> HostedWorker:
+def start_in_aggregator(spec: WorkerSpec, settings: Settings, env: dict[str, str] | None = None) -> HostedWorker:
     """Host `spec` in the aggregator (it must be placed on the aggregator's node)."""
     from actors.aggregator import get_or_create_aggregator
 
     agg = get_or_create_aggregator(settings)
-    return HostedWorker(agg, spec.name, agg.add_worker.remote(spec.model_dump(mode="json")))
+    return HostedWorker(agg, spec.name, agg.add_worker.remote(spec.model_dump(mode="json"), None, env))
 
 
 def list_hosts(prefix: str = HOST_PREFIX) -> list[str]:
@@ -194,16 +199,24 @@ def remove_hosted(names: list[str] | None = None, prefix: str = HOST_PREFIX, der
 def start_worker(spec: WorkerSpec, settings: Settings, *, detached: bool = False, get_if_exists: bool = False) -> Any:
     """The worker's metrics plane as `settings.metrics_hosting` says: when hostable, the aggregator if
     the worker is on the aggregator's node, else that node's metrics host (either owns a managed
-    worker's engine); else its own `WorkerActor`. Returns a handle with `ready`/`stats`/`stop`."""
+    worker's engine; the Ray resources it asks for are reserved first, which places it); else its
+    own `WorkerActor`. Returns a handle with `ready`/`stats`/`stop`. Raises ReservationError if its
+    resources cannot be reserved within `settings.reserve_timeout_s`."""
     from actors.aggregator import get_or_create_aggregator
     from actors.worker_actor import start_worker_actor
 
     if settings.metrics_hosting == "node" and hostable(spec):
+        env: dict[str, str] = {}
+        if spec.managed and needs_reservation(spec):  # a placement group holds them; Ray picks the node
+            from actors.reservation import reserve
+
+            held = reserve(spec, settings.reserve_timeout_s)
+            spec, env = spec.model_copy(update={"node_id": held.node_id}), held.env()
         node = spec.node_id or ray.get_runtime_context().get_node_id()
         agg_node = ray.get(get_or_create_aggregator(settings).node_id.remote(), timeout=60)
         if node == agg_node:
-            return start_in_aggregator(spec, settings)
-        return start_hosted_worker(spec, settings)
+            return start_in_aggregator(spec, settings, env)
+        return start_hosted_worker(spec, settings, env=env)
     return start_worker_actor(spec, settings, detached=detached, get_if_exists=get_if_exists)
 
 
@@ -211,6 +224,12 @@ def stop_workers(names: list[str] | None = None) -> list[str]:
     """Stop kvroute's workers, wherever hosted (all, or `names`): their actors stopped and killed,
     hosted ones removed from their metrics hosts and the aggregator (all: the metrics hosts killed
     too). Returns the names."""
+    from actors.reservation import release, release_all
     from actors.worker_actor import kill_worker_actors
 
-    return kill_worker_actors(names=names) + remove_hosted(names)
+    stopped = kill_worker_actors(names=names) + remove_hosted(names)
+    for name in names or []:  # a host that died meanwhile did not release them
+        release(name)
+    if names is None:
+        release_all()
+    return stopped

@@ -76,6 +76,10 @@ class Settings(BaseModel):
         "KV events or Ray resources (num_gpus, num_cpus, resources) always get their own actor (it serves the KV "
         "log / holds the reservation)"
     )
+    reserve_timeout_s: float = Field(
+        120.0, gt=0, description="how long kvroute serve / fleet add wait for a hosted managed worker's Ray resources "
+        "(num_gpus, num_cpus, resources: one placement group per worker) before the worker fails with a clear error"
+    )
     engine_adopt_grace_s: float = Field(
         60.0, ge=0, description="how long a hosted managed engine outlives its host (a node's metrics host, or the "
         "aggregator) so that Ray's restart of that actor adopts it instead of launching it again (its keeper "

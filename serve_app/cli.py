@@ -83,7 +83,10 @@ class FleetRunner:
         workers = self.fleet.expanded()
         self.progress(f"starting {len(workers)} worker actor(s) …")
         for spec in workers:
-            self.actors[spec.name] = start_worker(spec, settings)
+            try:
+                self.actors[spec.name] = start_worker(spec, settings)
+            except Exception as exc:  # its resources cannot be reserved (ReservationError), a bad endpoint
+                raise FleetError(_explain(exc)) from None
         for name, actor in self.actors.items():
             try:
                 info = ray.get(actor.ready.remote(), timeout=300)

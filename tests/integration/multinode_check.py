@@ -19,9 +19,16 @@ from ray.util.state import list_actors  # noqa: E402
 from actors.aggregator import AGGREGATOR_NAME, get_or_create_aggregator  # noqa: E402
 from actors.models import NAMESPACE  # noqa: E402
 from actors.fleet import parse_fleet  # noqa: E402
-from actors.worker_actor import start_worker_actor  # noqa: E402
+from actors.metrics_host import start_worker  # noqa: E402
 from serve_app.app import build_app  # noqa: E402
 from serve_app.ray_env import apply_serve_env  # noqa: E402
+
+
+def _gpu_env(pid: int) -> str | None:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    v = env.get(b"CUDA_VISIBLE_DEVICES")
+    return None if v is None else v.decode()
 
 
 def wait(pred, timeout, what):
@@ -49,7 +56,8 @@ def main() -> None:
         head_id = ray.get_runtime_context().get_node_id()
         out["nodes"] = {"head": head_id, "a": gpu_a.node_id, "b": gpu_b.node_id}
         fleet = parse_fleet({
-            "settings": {"aggregator_resources": {"kvroute_head": 1}},
+            # engines outlive a dead host only briefly here (nodes of one machine: their keepers stay)
+            "settings": {"aggregator_resources": {"kvroute_head": 1}, "engine_adopt_grace_s": 5},
             "workers": [{"name": "gpu", "engine": "sim", "replicas": 2, "host": "127.0.0.1", "page_size": 16,
                          "num_gpus": 1, "resources": {"sglang_slot": 1},
                          "engine_args": {"time_scale": 0.2}}],
@@ -57,13 +65,20 @@ def main() -> None:
         agg = get_or_create_aggregator(fleet.settings)
         ray.get(agg.ping.remote())
         serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "HeadOnly"})
-        actors = {w.name: start_worker_actor(w, fleet.settings) for w in fleet.expanded()}
+        # kvroute serve's path: each worker's GPU held by a placement group that places it, its engine
+        # owned by that node's metrics host
+        actors = {w.name: start_worker(w, fleet.settings) for w in fleet.expanded()}
         infos = {n: ray.get(a.ready.remote(), timeout=120) for n, a in actors.items()}
-        out["workers"] = {n: {"node": i.node_id, "endpoint": i.metrics_endpoint} for n, i in infos.items()}
+        out["workers"] = {n: {"node": i.node_id, "endpoint": i.metrics_endpoint, "env": _gpu_env(i.managed.pid)}
+                          for n, i in infos.items()}
+        out["groups"] = sorted(g["name"] for g in ray.util.placement_group_table().values()
+                               if g["state"] == "CREATED" and g["name"].startswith("kvroute-engine-"))
         serve.run(build_app({"fleet": fleet.model_dump(mode="json"), "manage_fleet": False,
                              "replica_resources": {"kvroute_head": 1}}), name="mn", route_prefix="/")
         actors_state = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
         out["aggregator_node"] = next(a.node_id for a in actors_state if a.name == AGGREGATOR_NAME)
+        out["worker_actors"] = sorted(a.name for a in actors_state if a.class_name == "WorkerActor")
+        out["host_nodes"] = sorted(a.node_id for a in actors_state if a.class_name == "MetricsHost")
         out["router_nodes"] = sorted({a.node_id for a in actors_state if "KvRouter" in (a.class_name or "") or
                                       (a.name or "").startswith("SERVE_REPLICA::mn#KvRouter")})
         c = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)

@@ -156,11 +156,13 @@ def test_a_worker_that_needs_its_own_actor_is_refused_by_the_host(agg, tmp_path)
     from actors.models import Settings
     from actors.worker_actor import kill_worker_actors
 
-    gpu = WorkerSpec(name="mh-gpu", engine="sim", num_gpus=1, metrics_endpoint=f"ipc://{tmp_path}/g.metrics")
     kv = WorkerSpec(name="mh-kv", url="http://127.0.0.1:9", metrics_endpoint=f"ipc://{tmp_path}/k.metrics",
                     kv_events_endpoint="tcp://127.0.0.1:5999")
-    assert not hostable(gpu) and not hostable(kv)
-    assert hostable(WorkerSpec(name="mh-sim", engine="sim"))  # a managed engine without Ray resources is
+    attach_gpu = WorkerSpec(name="mh-ag", url="http://127.0.0.1:9", metrics_endpoint=f"ipc://{tmp_path}/a.metrics",
+                            num_gpus=1)
+    assert not hostable(kv) and not hostable(attach_gpu)
+    # a managed engine is hostable, with Ray resources too (a placement group holds them)
+    assert hostable(WorkerSpec(name="mh-sim", engine="sim")) and hostable(WorkerSpec(name="g", engine="sim", num_gpus=1))
     with pytest.raises(Exception, match="not hostable"):
         ray.get(start_hosted_worker(kv, Settings(), prefix=PREFIX).ready.remote(), timeout=30)
     # the dispatcher gives it its own WorkerActor instead
@@ -170,6 +172,36 @@ def test_a_worker_that_needs_its_own_actor_is_refused_by_the_host(agg, tmp_path)
     finally:
         kill_worker_actors(names=["mh-kv"])
         ray.get(agg.remove.remote("mh-kv"), timeout=10)
+
+
+def test_a_hosted_engines_ray_resources_are_held_by_a_placement_group_until_it_is_removed(agg):
+    import ray
+
+    from actors.fleet import WorkerSpec
+    from actors.metrics_host import start_worker, stop_workers
+    from actors.models import Settings
+    from actors.reservation import ReservationError, group_name
+
+    def groups() -> dict[str, dict]:
+        return {g["name"]: g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"}
+
+    spec = WorkerSpec(name=f"mh-res-{uuid.uuid4().hex[:6]}", engine="sim", num_cpus=0.5,
+                      engine_args={"time_scale": 0.25})
+    handle = start_worker(spec, Settings())
+    try:
+        info = ray.get(handle.ready.remote(), timeout=120)
+        held = groups()[group_name(spec.name)]
+        assert held["bundles"] == {0: {"CPU": 0.5}} and info.node_id == ray.get(agg.node_id.remote(), timeout=10)
+        assert handle.host._actor_id == agg._actor_id  # placed on the aggregator's node: the aggregator hosts it
+        # what cannot be held anywhere is a clear error, not a worker that waits for ever
+        with pytest.raises(ReservationError, match="cannot reserve"):
+            start_worker(WorkerSpec(name="mh-res-huge", engine="sim", num_gpus=64), Settings(reserve_timeout_s=2))
+        assert group_name("mh-res-huge") not in groups()
+        assert ray.get(handle.stop.remote(), timeout=20)  # removing the worker frees its resources
+        wait_for(lambda: group_name(spec.name) not in groups(), 10, what="its placement group removed")
+    finally:
+        stop_workers(names=[spec.name])
+    wait_for(lambda: not _alive(info.managed.pid), 10, what="its engine stopped")
 
 
 def _alive(pid: int) -> bool:

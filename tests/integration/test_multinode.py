@@ -28,6 +28,15 @@ def test_managed_workers_land_on_the_gpu_slot_nodes_one_each(result):
     assert placed == sorted([nodes["a"], nodes["b"]])
 
 
+def test_their_gpus_are_held_by_placement_groups_and_given_to_the_engines(result):
+    # one group per worker holds its GPU (no worker actor); each node's metrics host owns its engine,
+    # which sees the GPU Ray assigned to the group (each node has one: id 0)
+    assert result["groups"] == ["kvroute-engine-gpu-0", "kvroute-engine-gpu-1"]
+    assert result["worker_actors"] == []
+    assert result["host_nodes"] == sorted([result["nodes"]["a"], result["nodes"]["b"]])
+    assert [w["env"] for w in result["workers"].values()] == ["0", "0"]
+
+
 def test_router_and_aggregator_run_on_the_head(result):
     assert result["aggregator_node"] == result["nodes"]["head"]
     assert result["router_nodes"] == [result["nodes"]["head"]]
