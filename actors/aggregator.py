@@ -147,6 +147,7 @@ class Aggregator(HostingCalls):
         loop = asyncio.get_running_loop()
         self._task = loop.create_task(self._loop())
         self._host_own_node()
+        self._orphans = loop.create_task(self._orphan_sweep())
         logger.info("aggregator up, epoch %s, listening on %s", self._registry.epoch, self._bound)
 
     def _host_own_node(self) -> None:
@@ -176,8 +177,12 @@ class Aggregator(HostingCalls):
         except Exception:
             alive = False
         names = [s.get("name") for s in specs]
-        if not alive:
-            logger.warning("restarted away from node %s, which is gone: its workers %s went with it", node, names)
+        if not alive:  # managed ones are re-hosted elsewhere by the orphan sweep; the rest went with it
+            from actors.metrics_host import orphans_key
+
+            remember(orphans_key(node), node, specs)
+            logger.warning("restarted away from node %s, which is gone: its workers %s go to the orphan sweep", node,
+                           names)
             return
         from actors.metrics_host import get_or_create_host
 
@@ -282,6 +287,20 @@ class Aggregator(HostingCalls):
                                host_window_s=self._window.window_s)
 
     # --- hot path (ZeroMQ) --------------------------------------------------------------------
+
+    async def _orphan_sweep(self) -> None:
+        """Every `orphan_sweep_s`: re-host the managed workers whose node died with their host
+        (`actors.metrics_host.rehome_orphans`, in a thread: it waits on Ray)."""
+        from actors.metrics_host import rehome_orphans
+
+        while True:
+            await asyncio.sleep(self.settings.orphan_sweep_s)
+            try:
+                await asyncio.to_thread(rehome_orphans, self.settings)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("orphan sweep failed")
 
     async def _loop(self) -> None:
         """One loop for ingest, publication and time-driven states, so the event loop wakes at most

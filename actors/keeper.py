@@ -12,8 +12,8 @@ keeper dies) and listens on a Unix socket at PATH, in a directory only its user 
 connects and is told the engine's and the keeper's pids (`{"pid": …, "keeper": …}`), and, when the
 engine exits, its exit code (`{"exit": …}`); then the keeper exits too. The owner may send `stop` (SIGTERM to the engine's group, SIGKILL after S seconds). When
 no owner is connected for G seconds — its actor died and no restarted incarnation adopted the engine
-by connecting again — the keeper stops the engine: nothing outlives its owner for long (G = 0: at
-once, as a parent-death signal would). Lines of JSON out, the one word `stop` in; nothing read from
+by connecting again — the keeper kills the engine's group (SIGKILL): nothing outlives its owner for
+long (G = 0: at once, as Ray killing a dead actor's children would). Lines of JSON out, the one word `stop` in; nothing read from
 the socket is ever executed or evaluated.
 """
 
@@ -76,6 +76,9 @@ class Keeper:
                 os.close(started)
             self._orphan(max(self.grace_s, FIRST_OWNER_S))  # until its launcher connects
             code = await self.proc.wait()
+            server.close()  # no owner may adopt a dead engine
+            with contextlib.suppress(OSError):
+                os.unlink(self.control)
             for w in list(self.owners):
                 with contextlib.suppress(Exception):
                     w.write((json.dumps({"exit": code}) + "\n").encode())
@@ -88,6 +91,9 @@ class Keeper:
                 os.unlink(self.control)
 
     async def _owner(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._stopping is not None or (self.proc is not None and self.proc.returncode is not None):
+            writer.close()  # stopping, or stopped: nothing to adopt
+            return
         if self._orphaned is not None:
             self._orphaned.cancel()
             self._orphaned = None
@@ -110,17 +116,21 @@ class Keeper:
     def _orphan(self, wait_s: float | None = None) -> None:
         if self._orphaned is None and self._stopping is None:
             self._orphaned = asyncio.get_running_loop().call_later(
-                self.grace_s if wait_s is None else wait_s, self.stop)
+                self.grace_s if wait_s is None else wait_s, self.stop, True)
 
-    def stop(self) -> None:
+    def stop(self, now: bool = False) -> None:
+        """Stop the engine: SIGTERM, SIGKILL after the stop grace; `now` (nobody owns it): SIGKILL at
+        once — a draining engine would answer the requests routers still send it with errors, a dead
+        one refuses the connection and they retry elsewhere, as when Ray killed an actor's engine."""
         if self._stopping is None:
-            self._stopping = asyncio.get_running_loop().create_task(self._stop())
+            self._stopping = asyncio.get_running_loop().create_task(self._stop(now))
 
-    async def _stop(self) -> None:
+    async def _stop(self, now: bool) -> None:
         proc = self.proc
         if proc is None:
             return
-        for sig, wait in ((signal.SIGTERM, self.stop_grace_s), (signal.SIGKILL, 5.0)):
+        steps = ((signal.SIGKILL, 5.0),) if now else ((signal.SIGTERM, self.stop_grace_s), (signal.SIGKILL, 5.0))
+        for sig, wait in steps:
             if proc.returncode is not None:
                 return
             try:

@@ -220,6 +220,58 @@ def start_worker(spec: WorkerSpec, settings: Settings, *, detached: bool = False
     return start_worker_actor(spec, settings, detached=detached, get_if_exists=get_if_exists)
 
 
+def orphans_key(node_id: str, prefix: str = HOST_PREFIX) -> str:
+    """Where an aggregator restarted away from dead node `node_id` leaves that node's workers for
+    `rehome_orphans`."""
+    return f"{prefix}{node_id[:16]}-left-workers"
+
+
+def rehome_orphans(settings: Settings, prefix: str = HOST_PREFIX) -> list[str]:
+    """Re-host the managed workers whose host's node died (what Ray's restart of a worker actor did):
+    one whose Ray resources a placement group holds goes where Ray rescheduled that group (the
+    engine is launched there); one without goes to the caller's node unless its spec pins a node.
+    Others on a dead node (attach mode, pinned) died with it: their memory is dropped. Returns the
+    names re-hosted. Blocking (Ray calls); the aggregator runs it in a thread every few seconds."""
+    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_list
+
+    from actors.hosting import split_memory
+
+    keys = [k.decode() for k in _internal_kv_list(prefix.encode(), namespace=NAMESPACE)]
+    keys = [k for k in keys if k.endswith("-workers")]
+    if not keys:
+        return []
+    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    moved: list[str] = []
+    for key in keys:
+        node, entries = remembered(key)
+        if node is None or node in alive:
+            continue
+        left = []
+        for entry in entries:
+            try:
+                spec, _, _ = split_memory(entry)
+            except Exception:
+                continue
+            if not spec.managed:  # attach mode: its server went with the node
+                continue
+            if not needs_reservation(spec) and spec.node_id:
+                logger.warning("worker %s is pinned to node %s, which is gone: not re-hosted", spec.name, node)
+                continue
+            try:  # its group (if any) decides where; it waits until Ray has rescheduled it
+                start_worker(spec.model_copy(update={"node_id": None}), settings)
+                moved.append(spec.name)
+            except Exception as exc:
+                logger.warning("worker %s (its node %s is gone) cannot be re-hosted yet: %s", spec.name, node, exc)
+                left.append(entry)
+        if left:
+            remember(key, node, left)
+        else:
+            _internal_kv_del(key.encode(), namespace=NAMESPACE)
+        if moved:
+            logger.warning("node %s is gone: workers %s re-hosted", node, moved)
+    return moved
+
+
 def stop_workers(names: list[str] | None = None) -> list[str]:
     """Stop kvroute's workers, wherever hosted (all, or `names`): their actors stopped and killed,
     hosted ones removed from their metrics hosts and the aggregator (all: the metrics hosts killed

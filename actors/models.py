@@ -76,6 +76,11 @@ class Settings(BaseModel):
         "KV events or Ray resources (num_gpus, num_cpus, resources) always get their own actor (it serves the KV "
         "log / holds the reservation)"
     )
+    orphan_sweep_s: float = Field(
+        5.0, gt=0, description="how often the aggregator looks for managed workers whose node died with their host, "
+        "and hosts them again where Ray rescheduled their placement group (or, holding no Ray resources and not "
+        "pinned, on its own node)"
+    )
     reserve_timeout_s: float = Field(
         120.0, gt=0, description="how long kvroute serve / fleet add wait for a hosted managed worker's Ray resources "
         "(num_gpus, num_cpus, resources: one placement group per worker) before the worker fails with a clear error"

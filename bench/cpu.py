@@ -32,11 +32,12 @@ from typing import Any
 import psutil
 
 FAMILIES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("metrics plane", re.compile(r"-m actors\.keeper\b")),  # an engine's keeper (its argv holds the engine's)
     ("engines", re.compile(r"-m sim\b|actors\.sglang_launch|ServeReplica:[^:]+:SimEngine")),
     ("peer router", re.compile(r"sglang_router|sglang::router")),
     ("ingress", re.compile(r"haproxy|ray::HAProxyManager|ray::ProxyActor")),
     ("serve controller", re.compile(r"ray::ServeController")),
-    ("metrics plane", re.compile(r"ray::Aggregator|ray::WorkerActor|ray::MetricsHost")),
+    ("metrics plane", re.compile(r"ray::Aggregator|ray::WorkerActor|ray::MetricsHost")),  # + the keepers above
     ("replica", re.compile(r"ray::ServeReplica:([^:\s]+)")),
     ("ray system", re.compile(r"gcs_server|raylet|dashboard|log_monitor|ray::IDLE|ray/_private|monitor\.py|ray::")),
 )

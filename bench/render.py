@@ -230,8 +230,8 @@ def _cpu_per_request(doc: dict[str, Any], targets: list[str]) -> list[str]:
          "CPU milliseconds per request during each trial (process CPU time ÷ the requests answered in the trial, "
          "warm-up included; families in "
          "`bench/cpu.py`). *Router side*: for kvroute its router replica, the Serve ingress (HAProxy + its "
-         "manager + Serve's proxy actor), the Serve controller, kvroute's metrics plane (aggregator + worker "
-         "actors) and Ray's own processes; for sglang-router its one process. The load generator is the "
+         "manager + Serve's proxy actor), the Serve controller, kvroute's metrics plane (the aggregator, "
+         "metrics hosts, worker actors and engine keepers) and Ray's own processes; for sglang-router its one process. The load generator is the "
          "benchmark's own process; its share of the machine is shown so that it is never what saturates it.\n"]
     for (w, rate) in sorted(cells):
         rows = []

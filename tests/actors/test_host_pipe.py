@@ -207,7 +207,7 @@ async def test_a_hosted_workers_report_carries_what_a_worker_actors_does(tmp_pat
                 ("p0", "http://127.0.0.1:9", 16, ["m"], "prefill", 8998)
             assert not r.healthy and r.ranks == [] and r.managed is None and r.kv_events_actor is None
         finally:
-            w.close()
+            await w.aclose()
     ctx.term()
 
 

@@ -57,7 +57,8 @@ def main() -> None:
         out["nodes"] = {"head": head_id, "a": gpu_a.node_id, "b": gpu_b.node_id}
         fleet = parse_fleet({
             # engines outlive a dead host only briefly here (nodes of one machine: their keepers stay)
-            "settings": {"aggregator_resources": {"kvroute_head": 1}, "engine_adopt_grace_s": 5},
+            "settings": {"aggregator_resources": {"kvroute_head": 1}, "engine_adopt_grace_s": 5,
+                         "orphan_sweep_s": 1},
             "workers": [{"name": "gpu", "engine": "sim", "replicas": 2, "host": "127.0.0.1", "page_size": 16,
                          "num_gpus": 1, "resources": {"sglang_slot": 1},
                          "engine_args": {"time_scale": 0.2}}],
@@ -98,6 +99,20 @@ def main() -> None:
         out["after"] = {"codes": [r.status_code for r in after],
                         "workers": sorted({r.headers.get("x-kvroute-worker") for r in after})}
         out["victim"] = victim
+        # a new GPU node: Ray reschedules the dead node's placement group there, and the aggregator's
+        # orphan sweep hosts the worker again on it (what Ray's restart of a worker actor used to do)
+        gpu_c = cluster.add_node(num_cpus=2, num_gpus=1, resources={"sglang_slot": 1})
+        out["nodes"]["c"] = gpu_c.node_id
+        added = time.monotonic()
+        wait(lambda: {w["name"]: w for w in c.get("/workers").json()["workers"]}[victim]["state"] != "down", 120,
+             "victim re-hosted")
+        out["rehomed_after_s"] = time.monotonic() - added
+        group = next(g for g in ray.util.placement_group_table().values() if g["name"] == f"kvroute-engine-{victim}")
+        out["rehomed_group_nodes"] = sorted(set(group["bundles_to_node_id"].values()))
+        again = [c.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": f"r{i} " * 40}]},
+                        headers={"x-kvroute-policy": "round_robin"}) for i in range(6)]
+        out["rehomed"] = {"codes": [r.status_code for r in again],
+                          "workers": sorted({r.headers.get("x-kvroute-worker") for r in again})}
     finally:
         print("RESULT " + json.dumps(out), flush=True)
         serve.shutdown()

@@ -152,7 +152,7 @@ def test_kill_a_worker_actor_ray_restarts_it_and_the_worker_is_back(env):
     assert w["managed"]["pid"] != pid_before  # a fresh engine under the restarted actor
     wait_for(lambda: not _alive(pid_before), 10, what="the dead actor's engine gone (no orphan)")
     plain = load.plain()
-    assert plain and all(r[1] == 200 for r in plain), Counter(r[1] for r in plain)
+    assert plain and all(r[1] == 200 for r in plain), (Counter(r[1] for r in plain), [r for r in plain if r[1] != 200][:3])
     assert all(r[1] == 200 for r in load.results if r[0] == "stream")
 
 

@@ -51,3 +51,9 @@ def test_killing_a_worker_node_marks_its_worker_down_and_routing_continues(resul
     assert result["down_after_s"] < 10
     assert result["after"]["codes"] == [200] * 6
     assert result["victim"] not in result["after"]["workers"]
+
+
+def test_a_dead_nodes_managed_worker_is_hosted_again_where_ray_reschedules_its_gpus(result):
+    assert result["rehomed_group_nodes"] == [result["nodes"]["c"]]
+    assert result["rehomed"]["codes"] == [200] * 6
+    assert result["rehomed"]["workers"] == ["gpu-0", "gpu-1"]

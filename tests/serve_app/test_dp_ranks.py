@@ -207,5 +207,5 @@ async def test_a_hosted_worker_reports_its_dp_size_like_a_worker_actor(tmp_path)
         try:
             assert w.report().dp_size == 3
         finally:
-            w.close()
+            await w.aclose()
     ctx.term()
