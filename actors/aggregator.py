@@ -54,6 +54,8 @@ logger = logging.getLogger("kvroute.aggregator")
 AGGREGATOR_NAME = "kvroute-aggregator"
 _PORTS_KEY = b"kvroute-aggregator-ports"  # Ray internal KV: where the last incarnation listened
 _DRAIN_BATCH = 4096
+# routers long-poll hosted KV logs: no task-event bookkeeping per poll (as WorkerActor.kv_since)
+ray.method(enable_task_events=False)(HostingCalls.kv_since)
 _HOSTED_KEY = "kvroute-aggregator-workers"  # Ray internal KV: the workers it hosts for its node
 
 

@@ -30,20 +30,19 @@ from actors.fleet import WorkerSpec
 from actors.health import HealthProbe, probe_client
 from actors.host_pipe import HostPipe
 from actors.ingest import MetricsBook
+from actors.kv_handshake import shows_prefill
+from actors.kv_subscriber import KvSubscriber, subscribe_for
 from actors.launcher import LaunchError, ManagedProcess
 from actors.models import NAMESPACE, Settings
-from actors.protocol import HostStats, WorkerActorStats, WorkerReady, WorkerReport
+from actors.protocol import HostStats, KvLogAnswer, WorkerActorStats, WorkerReady, WorkerReport
 
 logger = logging.getLogger("kvroute.host")
 
 
 def hostable(spec: WorkerSpec) -> bool:
-    """True if `spec` can live in its node's host: no KV events (routers long-poll a worker actor's KV
-    log); a managed engine (the host owns the process; its Ray resources, if any, are held by a
-    placement group: `actors.reservation`), or attach mode with its metrics endpoint and no Ray
-    resources to hold. Else it needs its own `WorkerActor`."""
-    if spec.kv_events_endpoint is not None:
-        return False
+    """True if `spec` can live in its node's host: a managed engine (the host owns the process; its Ray
+    resources, if any, are held by a placement group: `actors.reservation`), or attach mode with its
+    metrics endpoint and no Ray resources to hold. Else it needs its own `WorkerActor`."""
     return spec.managed or (spec.metrics_endpoint is not None and not needs_reservation(spec))
 
 
@@ -115,7 +114,7 @@ class Hosted:
     def __init__(self, spec: WorkerSpec, settings: Settings, ctx: zmq.asyncio.Context, http: httpx.AsyncClient,
                  on_change: Callable[[], None], engine_host: str = "127.0.0.1", *,
                  adopt: EngineMemory | None = None, env: dict[str, str] | None = None,
-                 on_engine: Callable[[], None] = lambda: None) -> None:
+                 on_engine: Callable[[], None] = lambda: None, actor_name: str | None = None) -> None:
         self.spec = spec
         self.name = spec.name
         self.incarnation = uuid.uuid4().hex[:12]
@@ -127,6 +126,18 @@ class Hosted:
         self._on_engine = on_engine
         self.env = dict(env or {})
         self.sock = bind_pull(ctx, self.name, self.endpoint, settings.max_frame_bytes)
+        # exact prefix mode: its KV events, subscribed before a managed engine starts (it connects to us);
+        # routers long-poll them through this host (`kv_since(worker=…)` on `actor_name`)
+        self.kv: KvSubscriber | None = None
+        self.actor_name = actor_name
+        if spec.kv_events_endpoint:
+            try:
+                self.kv, spec = subscribe_for(spec, ctx, settings, listen_host=engine_host, on_change=on_change)
+            except Exception:
+                self.sock.close(linger=0)
+                raise
+            self.spec = spec
+            self._kv_task = self.kv.start()
         self.health = HealthProbe(self.name, settings, http, on_change, models=spec.declared_models,
                                   discover=not spec.managed)
         self.proc: ManagedProcess | None = None
@@ -155,6 +166,13 @@ class Hosted:
         self._on_engine()  # a new keeper: remember where a restarted host finds it
         self._on_change()
 
+    def watch_kv(self) -> None:
+        """While the engine shows prefills but no KV batch came: ask for a replay (`KvSubscriber.watch`)."""
+        if self.kv is not None:
+            busy = any(shows_prefill(m.kv_active_blocks, self.spec.page_size, at, self.kv.opened_at)
+                       for m, at in self.book.latest_with_times().values())
+            self.kv.watch(busy)
+
     def memory(self) -> dict[str, Any]:
         """The spec, and for a managed worker where its engine is (`ENGINE_KEY`): what a restarted host
         needs to host it again and adopt its engine."""
@@ -171,6 +189,8 @@ class Hosted:
         return WorkerReport(name=self.name, url=self.url, page_size=page, incarnation=self.incarnation,
                             healthy=self.health.healthy, health_detail=self.health.detail, ranks=ranks,
                             managed=self.proc.status.report() if self.proc is not None else None,
+                            kv_events_actor=self.actor_name if self.kv is not None else None,
+                            kv_events=self.kv.info() if self.kv is not None else None,
                             models=self.health.models, role=self.spec.role, bootstrap_port=self.spec.bootstrap_port,
                             dp_size=self.spec.dp_size)
 
@@ -193,6 +213,8 @@ class Hosted:
             self.launch.cancel()
         if self.proc is not None:
             await self.proc.stop()
+        if self.kv is not None:
+            await self.kv.close()
         self.sock.close(linger=0)
         path = _ipc_path(self.endpoint)
         if path and os.path.exists(path):
@@ -259,14 +281,14 @@ class NodeHosting:
                                  "first")
             return False
         if not hostable(spec):
-            raise ValueError(f"worker {spec.name}: not hostable (KV events or Ray resources): it needs its own "
-                             "WorkerActor")
+            raise ValueError(f"worker {spec.name}: not hostable (attach mode with Ray resources or without a metrics "
+                             "endpoint): it needs its own WorkerActor")
         if spec.managed and not self.engines:
             raise ValueError(f"worker {spec.name}: {self.host} does not own engines; a managed worker's engine "
                              "belongs to its node's metrics host")
         engine_host = self._listen_host(spec.host) if spec.managed else "127.0.0.1"
         w = Hosted(spec, self.settings, self._ctx, self._http, lambda: self.pipe.mark(spec.name), engine_host,
-                   adopt=adopt, env=env, on_engine=self._save)
+                   adopt=adopt, env=env, on_engine=self._save, actor_name=self.host)
         self.workers[spec.name] = w
         self.pipe.add(spec.name, w.sock, w.book, w.report)
         self._save()
@@ -305,6 +327,14 @@ class NodeHosting:
         logger.info("host %s: worker %s removed", self.host, name)
         return True
 
+    async def kv_since(self, name: str | None, epoch: str | None, seq: int, timeout_s: float) -> KvLogAnswer | None:
+        """A router's long poll on hosted worker `name`'s KV events (`WorkerActor.kv_since`); None if it
+        publishes none or is not hosted here (any more)."""
+        w = self.workers.get(name) if name else None
+        if w is None or w.kv is None:
+            return None
+        return await w.kv.since(epoch, seq, timeout_s)
+
     def worker_stats(self, name: str) -> WorkerActorStats:
         """What `WorkerActor.stats()` says, for hosted worker `name` (pushes are the host's frames)."""
         w = self._get(name)
@@ -316,7 +346,7 @@ class NodeHosting:
             pushes=link.sent, pushes_dropped=link.dropped, aggregator_connects=link.reconnects,
             healthy=w.health.healthy, health_detail=w.health.detail, aggregator_epoch=link.epoch,
             last_refusal=w.book.last_error, latest={r: m.model_dump() for r, m in w.book.latest().items()},
-            kv_events=None)
+            kv_events=None if w.kv is None else w.kv.counters())
 
     def host_stats(self) -> HostStats:
         return HostStats(host=self.host, incarnation=self.pipe.incarnation, pid=os.getpid(),
@@ -372,6 +402,8 @@ class NodeHosting:
                 due = [w for w in hosted if w.probe_due() <= now]
                 if due:
                     await asyncio.gather(*(w.probe() for w in due), return_exceptions=True)
+                for w in hosted:
+                    w.watch_kv()  # at least every health_interval_s
                 wake = min((w.probe_due() for w in self.workers.values()), default=now + interval)
             except asyncio.CancelledError:
                 raise
@@ -414,6 +446,11 @@ class HostingCalls:
 
     async def worker_stats(self, name: str) -> WorkerActorStats:
         return self._hosting.worker_stats(name)
+
+    async def kv_since(self, epoch: str | None, seq: int, timeout_s: float = 5.0,
+                       worker: str | None = None) -> KvLogAnswer | None:
+        """Routers' long poll on hosted `worker`'s KV events (exact prefix mode), as `WorkerActor.kv_since`."""
+        return await self._hosting.kv_since(worker, epoch, seq, timeout_s)
 
     async def host_stats(self) -> HostStats:
         return self._hosting.host_stats()

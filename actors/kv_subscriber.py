@@ -17,6 +17,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from actors.fleet import WorkerSpec
+
 from actors.kv_events import (
     KvEventError,
     SeqTracker,
@@ -319,3 +321,26 @@ class KvSubscriber:
             await asyncio.wait(tasks, timeout=0.5)
         if not self._sock.closed:
             self._sock.close(linger=0)
+
+
+def subscribe_for(spec: WorkerSpec, ctx: zmq.asyncio.Context, settings: Any, *, listen_host: str,
+                  on_change: Callable[[], None]) -> tuple[KvSubscriber, WorkerSpec]:
+    """Meet `spec`'s KV-event publisher, SGLang's own rule (`actors.kv_handshake`): bind the SUB where
+    SGLang connects (a concrete tcp address, never a wildcard), connect where SGLang binds. With
+    `kv_events_endpoint: auto` (managed) the SUB binds on `listen_host` before the engine starts, and
+    the spec returned names the concrete address its engine connects to (and a restarted owner binds
+    again). Raises EndpointError."""
+    from actors.endpoint import EndpointError
+
+    auto = spec.kv_events_endpoint == "auto"
+    peer = spec.url.split("//", 1)[1].rsplit(":", 1)[0].strip("[]") if spec.url else None
+    try:
+        kv = KvSubscriber(spec.name, ctx, settings, spec.kv_events_endpoint, bind=spec.kv_events_bind,
+                          replay_endpoint=spec.kv_events_replay_endpoint, ranks=spec.kv_event_ranks,
+                          host=listen_host if auto else "127.0.0.1", peer_host=peer, on_change=on_change)
+    except SubscribeError as exc:
+        raise EndpointError(str(exc)) from None
+    if auto:
+        spec = spec.model_copy(update={"kv_events_endpoint": kv.endpoint, "kv_events_bind": None,
+                                       "kv_events_replay_endpoint": kv.replay_endpoint})
+    return kv, spec

@@ -12,9 +12,9 @@ it hosts, each under a keeper (`actors.keeper`) that lets it outlive its owner's
 `Settings.engine_adopt_grace_s`: the restarted actor adopts it (no engine restart, no model reload).
 
 Which workers are hosted (`hostable`): every managed worker and every attach-mode one without Ray
-resources, unless it publishes KV events (exact prefix mode: routers long-poll a worker actor's KV
-log, so it keeps its own `WorkerActor`). A managed worker's `num_gpus` / `num_cpus` / `resources`
-are held by a placement group (`actors.reservation`), which also picks its node; its engine gets the
+resources, with their KV events too (the host subscribes and serves each worker's KV log to the
+routers' `kv_since(…, worker=name)`). A managed worker's `num_gpus` / `num_cpus` / `resources` are
+held by a placement group (`actors.reservation`), which also picks its node; its engine gets the
 group's GPUs as `CUDA_VISIBLE_DEVICES`.
 
 The host is named per node (`kvroute-metrics-host-<node id>`), detached, pinned to its node,
@@ -39,6 +39,8 @@ from actors.models import NAMESPACE, Settings
 
 logger = logging.getLogger("kvroute.host")
 
+# routers long-poll hosted KV logs: no task-event bookkeeping per poll (as WorkerActor.kv_since)
+ray.method(enable_task_events=False)(HostingCalls.kv_since)
 HOST_PREFIX = "kvroute-metrics-host-"
 
 

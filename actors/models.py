@@ -72,9 +72,9 @@ class Settings(BaseModel):
     metrics_hosting: Literal["node", "worker"] = Field(
         "node", description="where a worker's metrics plane runs (kvroute serve, fleet add): 'node' — one metrics "
         "host actor per Ray node receives all its workers' metrics, sends one batched frame per window (also "
-        "their heartbeat) and owns its managed engines' processes; 'worker' — one actor per worker. Workers with "
-        "KV events or Ray resources (num_gpus, num_cpus, resources) always get their own actor (it serves the KV "
-        "log / holds the reservation)"
+        "their heartbeat), serves their KV logs and owns its managed engines' processes (their Ray resources held "
+        "by placement groups); 'worker' — one actor per worker. An attach-mode worker asking for Ray resources "
+        "always gets its own actor (it holds them)"
     )
     orphan_sweep_s: float = Field(
         5.0, gt=0, description="how often the aggregator looks for managed workers whose node died with their host, "

@@ -22,7 +22,7 @@ from actors.health import HealthProbe, probe_client
 from actors.ingest import MetricsBook
 from actors.kv_handshake import shows_prefill
 from actors.kv_log import KvLog
-from actors.kv_subscriber import KvSubscriber, SubscribeError
+from actors.kv_subscriber import KvSubscriber, subscribe_for
 from actors.launcher import LaunchError, ManagedProcess
 from actors.link import AggregatorLink
 from actors.metrics_pipe import MetricsPipe
@@ -85,21 +85,9 @@ class WorkerActor:
         logger.info("worker %s: PULL bound on %s, probing %s/health", self.name, self.endpoint, self.url)
 
     def _open_kv_subscription(self) -> None:
-        """Meet SGLang's KV-event publisher: bind the SUB where SGLang connects (a concrete tcp
-        address, never a wildcard), connect where SGLang binds — SGLang's own rule (kv_handshake)."""
-        spec = self.spec
-        peer = spec.url.split("//", 1)[1].rsplit(":", 1)[0].strip("[]") if spec.url else None
-        try:
-            self.kv = KvSubscriber(self.name, self._ctx, self.settings, spec.kv_events_endpoint,
-                                   bind=spec.kv_events_bind, replay_endpoint=spec.kv_events_replay_endpoint,
-                                   ranks=spec.kv_event_ranks, host=listen_host(spec.host) if
-                                   spec.kv_events_endpoint == "auto" else "127.0.0.1",
-                                   peer_host=peer, on_change=self._wake.set)
-        except SubscribeError as exc:
-            raise EndpointError(str(exc)) from None
-        if spec.kv_events_endpoint == "auto":  # managed: the engine connects to what we bound
-            self.spec = spec.model_copy(update={"kv_events_endpoint": self.kv.endpoint, "kv_events_bind": None,
-                                                "kv_events_replay_endpoint": self.kv.replay_endpoint})
+        """Before the engine starts: a managed engine connects to what we bound."""
+        self.kv, self.spec = subscribe_for(self.spec, self._ctx, self.settings, listen_host=listen_host(self.spec.host),
+                                           on_change=self._wake.set)
 
     @property
     def kv_log(self) -> KvLog | None:
@@ -161,7 +149,8 @@ class WorkerActor:
         )
 
     @ray.method(enable_task_events=False)  # a long poll per router replica: no task-event bookkeeping
-    async def kv_since(self, epoch: str | None, seq: int, timeout_s: float = 5.0) -> KvLogAnswer | None:
+    async def kv_since(self, epoch: str | None, seq: int, timeout_s: float = 5.0,
+                       worker: str | None = None) -> KvLogAnswer | None:
         """Long poll for router replicas: KV events after their cursor (or the whole state when the
         cursor is from another epoch or too old). None if this worker publishes no KV events."""
         if self.kv is None:

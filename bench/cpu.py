@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -60,10 +61,25 @@ def _busy_s() -> float:
     return (sum(f[:8]) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
 
 
+def keep_orphans() -> bool:
+    """Make this process the child subreaper of everything it starts (Linux): a process whose parent
+    exits is re-parented here instead of to init, so it stays in this run's process tree. kvroute's
+    engine keepers detach from the Ray worker that launches them (`actors.keeper`), and without this
+    they and their engines would count as "other jobs". False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    PR_SET_CHILD_SUBREAPER = 36
+    return ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1) == 0
+
+
 class CpuMeter:
-    """CPU used during an interval by this run, per family, and by everything else on the machine."""
+    """CPU used during an interval by this run, per family, and by everything else on the machine.
+    The run's processes are this process's descendants (`keep_orphans` keeps detached ones in)."""
 
     def __init__(self) -> None:
+        keep_orphans()
         self._root = psutil.Process()
         self._t0 = self._busy0 = 0.0
         self._start: dict[int, tuple[float, str]] = {}

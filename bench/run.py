@@ -37,7 +37,7 @@ if str(ROOT) not in sys.path:
 
 from bench import machine, report  # noqa: E402
 from bench import profile as bench_profile  # noqa: E402
-from bench.cpu import CpuMeter, router_side_cpu_s  # noqa: E402
+from bench.cpu import CpuMeter, keep_orphans, router_side_cpu_s  # noqa: E402
 from bench.loadgen import Target, chat_body, run_closed, run_trace  # noqa: E402
 from bench.workloads import make_trace, trace_digest, with_models  # noqa: E402
 
@@ -419,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    keep_orphans()  # before anything starts: detached engine keepers stay in this run's process tree
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
     ap.add_argument("--suite", choices=sorted(SUITES), default="quick")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="results directory")

@@ -63,7 +63,9 @@ class KvFollower:
             epoch: str | None = None
             seq = 0
             while True:
-                answer: KvLogAnswer | None = await actor.kv_since.remote(epoch, seq, self.poll_timeout_s)
+                # `worker`: a host serves the KV logs of all the workers it hosts (an own actor ignores it)
+                answer: KvLogAnswer | None = await actor.kv_since.remote(epoch, seq, self.poll_timeout_s,
+                                                                         worker=worker)
                 if answer is None:
                     return True
                 self.apply(worker, answer)

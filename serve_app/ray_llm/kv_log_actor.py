@@ -53,8 +53,10 @@ class ReplicaKvLog:
         return self.kv.config()
 
     @ray.method(enable_task_events=False)  # a long poll per router: no task-event bookkeeping
-    async def kv_since(self, epoch: str | None, seq: int, timeout_s: float = 5.0) -> KvLogAnswer:
-        """The routers' long poll (`serve_app.kv_follower`), as `WorkerActor.kv_since` answers it."""
+    async def kv_since(self, epoch: str | None, seq: int, timeout_s: float = 5.0,
+                       worker: str | None = None) -> KvLogAnswer:
+        """The routers' long poll (`serve_app.kv_follower`), as `WorkerActor.kv_since` answers it
+        (`worker` names the replica's worker; this actor holds that one log)."""
         return await self.kv.since(epoch, seq, timeout_s)
 
     @ray.method(enable_task_events=False)

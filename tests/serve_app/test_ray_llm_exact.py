@@ -115,7 +115,9 @@ class _ActorStandIn:
     """What `ray.get_actor(kv_log_actor_name(w))` gives the follower: `kv_since.remote(...)` awaitable."""
 
     def __init__(self, sub: KvSubscriber) -> None:
-        self.kv_since = SimpleNamespace(remote=sub.since)
+        # the real actor takes (and ignores) the worker a host would need
+        self.kv_since = SimpleNamespace(remote=lambda epoch, seq, timeout_s=5.0, worker=None: sub.since(epoch, seq,
+                                                                                                       timeout_s))
 
 
 def _replica(uid: str) -> SimpleNamespace:
