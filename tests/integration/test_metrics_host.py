@@ -158,20 +158,23 @@ def test_a_worker_that_needs_its_own_actor_is_refused_by_the_host(agg, tmp_path)
 
     kv = WorkerSpec(name="mh-kv", url="http://127.0.0.1:9", metrics_endpoint=f"ipc://{tmp_path}/k.metrics",
                     kv_events_endpoint="tcp://127.0.0.1:5999")
-    attach_gpu = WorkerSpec(name="mh-ag", url="http://127.0.0.1:9", metrics_endpoint=f"ipc://{tmp_path}/a.metrics",
-                            num_gpus=1)
-    assert not hostable(kv) and not hostable(attach_gpu)
-    # a managed engine is hostable, with Ray resources too (a placement group holds them)
-    assert hostable(WorkerSpec(name="mh-sim", engine="sim")) and hostable(WorkerSpec(name="g", engine="sim", num_gpus=1))
+    # attach mode asking Ray for resources: its own actor holds them
+    held = WorkerSpec(name="mh-held", url="http://127.0.0.1:9", metrics_endpoint=f"ipc://{tmp_path}/a.metrics",
+                      num_cpus=0.1)
+    assert not hostable(held)
+    # hostable: KV events (the host serves the KV log), managed engines, with Ray resources too (a placement group)
+    assert hostable(kv) and hostable(WorkerSpec(name="mh-sim", engine="sim"))
+    assert hostable(WorkerSpec(name="g", engine="sim", num_gpus=1))
     with pytest.raises(Exception, match="not hostable"):
-        ray.get(start_hosted_worker(kv, Settings(), prefix=PREFIX).ready.remote(), timeout=30)
+        ray.get(start_hosted_worker(held, Settings(), prefix=PREFIX).ready.remote(), timeout=30)
     # the dispatcher gives it its own WorkerActor instead
-    handle = start_worker(kv, Settings(metrics_hosting="node"))
+    handle = start_worker(held, Settings(metrics_hosting="node"))
     try:
         assert not hasattr(handle, "host")
+        assert ray.get(handle.ready.remote(), timeout=30).name == "mh-held"
     finally:
-        kill_worker_actors(names=["mh-kv"])
-        ray.get(agg.remove.remote("mh-kv"), timeout=10)
+        kill_worker_actors(names=["mh-held"])
+        ray.get(agg.remove.remote("mh-held"), timeout=10)
 
 
 def test_a_hosted_engines_ray_resources_are_held_by_a_placement_group_until_it_is_removed(agg):
