@@ -147,17 +147,8 @@ class Hosted:
             self.proc = ManagedProcess(spec, metrics_endpoint=self.endpoint, port=port, host=engine_host,
                                        orphan_grace_s=settings.engine_adopt_grace_s, env=self.env,
                                        control=adopt.control if adopt else None, on_change=self._on_process_change)
-            self.launch = asyncio.get_running_loop().create_task(self._launch())
+            self.launch = asyncio.get_running_loop().create_task(self.proc.launch())
         self.url = self.proc.url if self.proc is not None else (spec.url or "")
-
-    async def _launch(self) -> None:
-        assert self.proc is not None
-        await self.proc.start()
-        try:
-            await self.proc.wait_healthy()
-        except LaunchError:
-            await self.proc.stop()
-            raise
 
     def _on_process_change(self) -> None:
         # a dead engine is down now, not at the next probe

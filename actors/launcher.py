@@ -233,6 +233,16 @@ class ManagedProcess:
             await self._spawn()
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
 
+    async def launch(self) -> None:
+        """`start`, then `wait_healthy`; an engine that never becomes healthy is stopped again and its
+        LaunchError raised."""
+        await self.start()
+        try:
+            await self.wait_healthy()
+        except LaunchError:
+            await self.stop()
+            raise
+
     async def _adopt(self) -> bool:
         assert self.control is not None
         try:

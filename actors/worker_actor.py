@@ -23,7 +23,7 @@ from actors.ingest import MetricsBook
 from actors.kv_handshake import shows_prefill
 from actors.kv_log import KvLog
 from actors.kv_subscriber import KvSubscriber, subscribe_for
-from actors.launcher import LaunchError, ManagedProcess
+from actors.launcher import ManagedProcess
 from actors.link import AggregatorLink
 from actors.metrics_pipe import MetricsPipe
 from actors.models import NAMESPACE, Settings
@@ -78,7 +78,7 @@ class WorkerActor:
                                        host=listen_host(self.spec.host),
                                        on_change=self._on_process_change)
             self.url = self.proc.url
-            self._launch = loop.create_task(self._start_process())
+            self._launch = loop.create_task(self.proc.launch())
         self._tasks = [*self._pipe.start(), loop.create_task(self._health_loop())]
         if self.kv is not None:
             self._tasks.append(self.kv.start())
@@ -126,15 +126,6 @@ class WorkerActor:
             await asyncio.shield(self._launch)
         return WorkerReady(name=self.name, url=self.url or "", metrics_endpoint=self.endpoint, node_id=_node_id(),
                            managed=self.proc.status.report() if self.proc else None)
-
-    async def _start_process(self) -> None:
-        assert self.proc is not None
-        await self.proc.start()
-        try:
-            await self.proc.wait_healthy()
-        except LaunchError:
-            await self.proc.stop()
-            raise
 
     async def stats(self) -> WorkerActorStats:
         b = self.book.stats
