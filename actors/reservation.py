@@ -62,23 +62,38 @@ def _accelerators() -> list[str]:
     return [str(x) for x in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])]
 
 
+def _existing(name: str) -> Any:
+    try:
+        return get_placement_group(name)
+    except ValueError:
+        return None
+
+
 def reserve(spec: WorkerSpec, timeout_s: float = 60.0) -> Reservation:
     """Reserve `spec`'s resources (its existing group if one is already named after it). Raises
     ReservationError if no node has them free within `timeout_s` (the group is removed again)."""
     want = bundle(spec)
     name = group_name(spec.name)
-    try:
-        pg = get_placement_group(name)
-    except ValueError:
+    pg = _existing(name)
+    if pg is None:
         kw: dict[str, Any] = {}
         if spec.node_id:
             kw["bundle_label_selector"] = [{NODE_LABEL: spec.node_id}]
-        pg = placement_group([want], strategy="STRICT_PACK", name=name, lifetime="detached", **kw)
+        try:
+            pg = placement_group([want], strategy="STRICT_PACK", name=name, lifetime="detached", **kw)
+        except Exception:  # another router replica created it meanwhile (serve deploy's get-if-exists path)
+            pg = _existing(name)
+            if pg is None:
+                raise
     if not pg.wait(timeout_seconds=max(1, int(timeout_s))):
-        remove_placement_group(pg)
-        where = f"node {spec.node_id}" if spec.node_id else "any node"
-        raise ReservationError(f"worker {spec.name}: cannot reserve {want} on {where} within {timeout_s:.0f} s (no "
-                               "node has them free: `ray status` shows what is)")
+        other = _existing(name)
+        if other is not None and other.id != pg.id and other.wait(timeout_seconds=1):
+            pg = other  # ours lost a creation race to a twin; use the one that won
+        else:
+            remove_placement_group(pg)
+            where = f"node {spec.node_id}" if spec.node_id else "any node"
+            raise ReservationError(f"worker {spec.name}: cannot reserve {want} on {where} within {timeout_s:.0f} s (no "
+                                   "node has them free: `ray status` shows what is)")
     node = placement_group_table(pg)["bundles_to_node_id"][0]
     gpu_ids: list[str] = []
     if spec.num_gpus:
