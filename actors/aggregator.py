@@ -18,9 +18,10 @@ handed to the registry in-process (`LocalLink`) — no host process and no ZeroM
 aggregator's node — and the engines of the managed ones (each under a keeper, `actors.keeper`).
 Their specs, and where their engines are, are remembered in Ray's internal KV: Ray restarting the
 aggregator re-binds them in the new incarnation and adopts the engines, which kept running (their
-frames in between are lost; the newest after the re-bind is what counts). If it restarts on another node (its node died), it does not host them
-there — an ipc endpoint is node-local: they go to their node's `MetricsHost` if that node is alive,
-else they died with it and are forgotten.
+frames in between are lost; the newest after the re-bind is what counts). If it restarts on another
+node (its node died), it does not host them there — an ipc endpoint is node-local: they go to their
+node's `MetricsHost` if that node is alive, else the managed ones to the orphan sweep (hosted again
+where Ray reschedules their resources) and the rest died with it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The host role, written once: every hosted worker's metrics PULL, its /health probe (passive while its
 KvMetrics frames arrive) and model discovery, and one `HostPipe` sending one batched frame per window
-for all of them — which is also their heartbeat. A node's `MetricsHost` also owns the engine process
-of every managed worker it hosts (`actors.launcher.ManagedProcess`: launch, /health, restarts, stop).
+for all of them — which is also their heartbeat. The host also owns the engine process of every
+managed worker it hosts (`actors.launcher.ManagedProcess` under a keeper: launch, /health, restarts,
+stop, adoption after the host's restart) and serves their KV logs in exact prefix mode.
 
 Two actors run it: a node's `MetricsHost` (`actors.metrics_host`), whose pipe pushes over an
 `AggregatorLink`, and the aggregator itself for the workers on its own node (`actors.aggregator`),
@@ -199,7 +200,8 @@ class Hosted:
         await self.health.probe(self.url)
 
     async def aclose(self) -> None:
-        """Stop the engine (SIGTERM, then SIGKILL after its grace), then close the socket."""
+        """Stop the engine (SIGTERM, then SIGKILL after its grace) and the KV subscription, then close
+        the socket."""
         if self.launch is not None and not self.launch.done():
             self.launch.cancel()
         if self.proc is not None:
@@ -262,9 +264,8 @@ class NodeHosting:
     def add(self, spec: WorkerSpec, adopt: EngineMemory | None = None, env: dict[str, str] | None = None) -> bool:
         """Host `spec` (idempotent for the same spec); False if it was hosted already. A managed spec's
         engine starts now with `env` added (`await ready(name)` waits for its /health), or is adopted
-        (`adopt`). Raises EndpointError if its
-        metrics endpoint cannot be bound, ValueError if it is not hostable here or another spec holds
-        its name."""
+        (`adopt`). Raises EndpointError if its metrics endpoint cannot be bound, ValueError if it is
+        not hostable here or another spec holds its name."""
         have = self.workers.get(spec.name)
         if have is not None:
             if have.spec != spec:
@@ -414,8 +415,8 @@ class HostingCalls:
                          env: dict[str, str] | None = None) -> WorkerReady:
         """Host a worker (idempotent for the same spec) and answer once it is ready (`NodeHosting.add`,
         `NodeHosting.ready`); `adopt`: an `EngineMemory` (as a dict) of its running engine; `env`: its
-        engine's environment (`Reservation.env()`). A managed
-        engine that cannot start is removed again and its LaunchError raised."""
+        engine's environment (`Reservation.env()`). A managed engine that cannot start is removed
+        again and its LaunchError raised."""
         ws = WorkerSpec.model_validate(spec)
         self._check_node(ws)
         self._hosting.add(ws, adopt=msgspec.convert(adopt, EngineMemory) if adopt else None,

@@ -248,7 +248,7 @@ def rehome_orphans(settings: Settings, prefix: str = HOST_PREFIX) -> list[str]:
         node, entries = remembered(key)
         if node is None or node in alive:
             continue
-        left = []
+        left, here = [], []
         for entry in entries:
             try:
                 spec, _, _ = split_memory(entry)
@@ -261,7 +261,7 @@ def rehome_orphans(settings: Settings, prefix: str = HOST_PREFIX) -> list[str]:
                 continue
             try:  # its group (if any) decides where; it waits until Ray has rescheduled it
                 start_worker(spec.model_copy(update={"node_id": None}), settings)
-                moved.append(spec.name)
+                here.append(spec.name)
             except Exception as exc:
                 logger.warning("worker %s (its node %s is gone) cannot be re-hosted yet: %s", spec.name, node, exc)
                 left.append(entry)
@@ -269,8 +269,9 @@ def rehome_orphans(settings: Settings, prefix: str = HOST_PREFIX) -> list[str]:
             remember(key, node, left)
         else:
             _internal_kv_del(key.encode(), namespace=NAMESPACE)
-        if moved:
-            logger.warning("node %s is gone: workers %s re-hosted", node, moved)
+        if here:
+            logger.warning("node %s is gone: workers %s re-hosted", node, here)
+        moved += here
     return moved
 
 
