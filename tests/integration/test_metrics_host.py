@@ -300,7 +300,6 @@ def test_a_host_restarted_by_ray_adopts_its_running_engines(agg, engine):
                     and x.managed is not None and x.managed.pid == info.managed.pid and x, 30,
                     what="the restarted host serving the same engine")
     assert back.managed.restarts == 0 and back.url == info.url and _alive(info.managed.pid)
-    assert "adopted" in back.managed.detail or back.managed.process == "running"
     # and it still owns it: stopping the worker stops the adopted engine
     assert ray.get(handle.stop.remote(), timeout=20)
     wait_for(lambda: not _alive(info.managed.pid), 10, what="the adopted engine stopped with its worker")
