@@ -287,7 +287,7 @@ class Aggregator(HostingCalls):
                                refused=dict(self.refused), published=self.published,
                                published_bytes=self.published_bytes, endpoints=dict(self._bound),
                                hosts=self._registry.hosts(), host_frames=self.host_frames,
-                               host_window_s=self._window.window_s)
+                               host_window_s=self._window.window_s, late_reports=self._registry.late_reports)
 
     # --- hot path (ZeroMQ) --------------------------------------------------------------------
 

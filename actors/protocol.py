@@ -302,6 +302,7 @@ class AggregatorStats(msgspec.Struct, frozen=True):
     hosts: int = 0  # metrics hosts heard from (node hosting)
     host_frames: int = 0  # frames received from them (each one their workers' heartbeat)
     host_window_s: float = 0.0  # the fleet-wide coalescing window handed to metrics hosts now (actors.fleet_window)
+    late_reports: int = 0  # reports of a removed worker's incarnation that arrived after its removal (ignored)
 
 
 _ingest_encoder = msgspec.msgpack.Encoder()

@@ -57,6 +57,7 @@ class _Host:
 
 
 BUSY_FRAMES = 8  # frames per publish_interval_s from which deltas go every publish_interval_s
+MAX_REMOVED = 65_536  # removed workers whose late frames are recognised (oldest forgotten first)
 
 
 def publish_wait_s(settings: Settings, drained: int, elapsed_s: float, changed: bool) -> float:
@@ -88,6 +89,11 @@ class FleetRegistry:
         self._published = 0  # version of the last take_delta()
         self._members_at = 0  # version of the last membership change
         self._replicas_at = 0  # version of the last change of the sharing router replicas
+        # removed worker → the incarnation it had: that incarnation's frames still in flight (sent
+        # before its actor or host stopped, drained after the removal) must not bring it back as a
+        # worker that is down forever; another incarnation (the name added again) registers
+        self._removed: dict[str, str] = {}
+        self.late_reports = 0  # reports of a removed incarnation, ignored
 
     # --- writes -------------------------------------------------------------------------------
 
@@ -128,6 +134,11 @@ class FleetRegistry:
         now = self.clock()
         w = self._workers.get(r.name)
         changed = False  # anything but the ranks
+        if w is None and self._removed:
+            if self._removed.get(r.name) == r.incarnation:
+                self.late_reports += 1
+                return False
+            self._removed.pop(r.name, None)
         if w is None or w.incarnation != r.incarnation:
             if w is None:
                 self._members_at = self.version + 1
@@ -164,9 +175,14 @@ class FleetRegistry:
         return changed or ranks_changed
 
     def remove(self, name: str) -> bool:
-        """Forget a worker (until its actor or host reports it again)."""
-        if self._workers.pop(name, None) is None:
+        """Forget a worker. Reports of the incarnation it had are ignored from now on (frames
+        already in flight when its actor or host stopped); a new incarnation registers it again."""
+        w = self._workers.pop(name, None)
+        if w is None:
             return False
+        self._removed[name] = w.incarnation
+        if len(self._removed) > MAX_REMOVED:  # bounded: forget the oldest
+            del self._removed[next(iter(self._removed))]
         self.version += 1
         self._members_at = self.version
         self._dirty.pop(name, None)

@@ -166,6 +166,34 @@ def test_removed_worker_disappears_from_names():
     assert not reg.remove("a")
 
 
+def test_a_removed_workers_late_frames_do_not_bring_it_back_but_a_new_incarnation_does():
+    """Frames its actor sent before it stopped, drained after the removal, would re-register it as a
+    worker that stays down forever (its actor is gone)."""
+    clock = Clock()
+    reg = FleetRegistry(S, clock=clock)
+    reg.report(batch("a", ranks={0: rank(1)}, inc="first"))
+    reg.take_delta()
+    assert reg.remove("a")
+    assert not reg.report(batch("a", ranks={0: rank(2)}, inc="first"))
+    assert reg.names() == [] and reg.late_reports == 1
+    assert not reg.host_frame("h", "hi", ["a"], [batch("a", ranks={0: rank(3)}, inc="first")])
+    assert reg.names() == [] and reg.late_reports == 2
+    assert reg.report(batch("a", ranks={0: rank(1)}, inc="second"))  # added again: a new actor
+    assert reg.names() == ["a"]
+    assert reg.remove("a") and reg.report(batch("a", inc="third"))  # each removal remembers its own
+
+
+def test_removed_incarnations_are_bounded():
+    from actors import registry as r
+
+    reg = FleetRegistry(S, clock=Clock())
+    for i in range(r.MAX_REMOVED + 10):
+        reg.report(batch(f"w{i}", inc="x"))
+        reg.remove(f"w{i}")
+    assert len(reg._removed) == r.MAX_REMOVED
+    assert reg.report(batch("w0", inc="x"))  # the oldest forgotten: treated as new again
+
+
 def test_router_in_flight_counts_are_shared_and_expire():
     clock = Clock()
     reg = FleetRegistry(S, clock=clock)

@@ -84,6 +84,7 @@ class _Fleet(threading.Thread):
         super().__init__(daemon=True)
         self.n, self.period_s, self.per_host = n, period_s, per_host
         self.names = [f"scale-{i:04d}" for i in range(n)]
+        self.incarnation = uuid.uuid4().hex[:12]  # this emulator's workers, as a worker actor's own uuid
         self.stop = threading.Event()
         self.sent = 0
 
@@ -105,8 +106,9 @@ class _Fleet(threading.Thread):
             t0 = time.monotonic()
             if await link.ensure():
                 for i, name in enumerate(self.names):
-                    r = WorkerReport(name=name, url=f"http://127.0.0.1:9/{name}", page_size=16, incarnation="i",
-                                     healthy=True, ranks=[RankMetrics(i % 8, 8, 10, 100, 0, 0.1, 0.0, 0, 0.0, seq)])
+                    r = WorkerReport(name=name, url=f"http://127.0.0.1:9/{name}", page_size=16,
+                                     incarnation=self.incarnation, healthy=True,
+                                     ranks=[RankMetrics(i % 8, 8, 10, 100, 0, 0.1, 0.0, 0, 0.0, seq)])
                     self.sent += link.push_reports([r])
                     if i % 100 == 99:  # spread over the period, as independent workers are
                         await asyncio.sleep(self.period_s / (self.n / 100))
@@ -121,8 +123,9 @@ class _Fleet(threading.Thread):
         seq = {name: 0 for name in self.names}
 
         def report(i: int, name: str) -> WorkerReport:
-            return WorkerReport(name=name, url=f"http://127.0.0.1:9/{name}", page_size=16, incarnation="i",
-                                healthy=True, ranks=[RankMetrics(i % 8, 8, 10, 100, 0, 0.1, 0.0, 0, 0.0, seq[name])])
+            return WorkerReport(name=name, url=f"http://127.0.0.1:9/{name}", page_size=16,
+                                incarnation=self.incarnation, healthy=True,
+                                ranks=[RankMetrics(i % 8, 8, 10, 100, 0, 0.1, 0.0, 0, 0.0, seq[name])])
 
         pipes = []
         for h in range(0, self.n, self.per_host):
