@@ -294,3 +294,51 @@ def test_a_link_follows_a_new_aggregator_that_has_a_new_token(agg):
     assert new_token != old_token
     assert took < 10, f"the link reached the new aggregator after {took:.1f} s"
     ray.get(get_or_create_aggregator().ping.remote(), timeout=30)
+
+
+def test_a_worker_stopped_while_it_reports_stays_removed(agg, tmp_path):
+    """Its last frames (sent before it stopped, drained by the aggregator after `stop` removed it)
+    must not register it again as a worker that is down forever — as they did before the registry
+    remembered removed incarnations (a ghost `down` worker in every router's view)."""
+    import ray
+
+    from actors.fleet import parse_fleet
+    from actors.worker_actor import start_worker_actor
+    from tests.integration.emitters import Emitter
+    from tests.integration.helpers import HealthServer
+
+    server = HealthServer()
+    names = [f"busy-stop-{i}-{uuid.uuid4().hex[:4]}" for i in range(6)]
+    fleet = parse_fleet({"workers": [{"name": n, "url": server.url, "metrics_endpoint": f"ipc://{tmp_path}/{n}",
+                                      "page_size": 16} for n in names]})
+    try:
+        for k, spec in enumerate(fleet.workers):  # one at a time: stopped mid-stream, at a different phase each
+            actor = start_worker_actor(spec, fleet.settings, name_prefix="busy-stop-")
+            ray.get(actor.ready.remote(), timeout=30)
+            em = Emitter(spec.metrics_endpoint)
+            stop = threading.Event()
+
+            def emit(em=em, stop=stop):
+                i = 0
+                while not stop.is_set():
+                    i += 1
+                    em.send(request_active_slots=i % 8, num_requests_waiting=0)
+                    time.sleep(0.003)
+
+            t = threading.Thread(target=emit)
+            t.start()
+            wait_for(lambda n=spec.name: n in ray.get(agg.names.remote(), timeout=10), 10,
+                     what=f"{spec.name} registered")
+            time.sleep(0.2 + 0.037 * k)
+            ray.get(actor.stop.remote(), timeout=10)  # deregisters
+            stop.set()
+            t.join()
+            em.close()
+            ray.kill(actor, no_restart=True)
+        time.sleep(1.0)  # several aggregator windows: every frame in flight has been drained
+        back = [n for n in ray.get(agg.names.remote(), timeout=10) if n in names]
+        assert back == [], f"stopped workers registered again by their late frames: {back}"
+    finally:
+        for n in names:
+            ray.get(agg.remove.remote(n), timeout=10)
+        server.close()
