@@ -296,27 +296,33 @@ def test_a_link_follows_a_new_aggregator_that_has_a_new_token(agg):
     ray.get(get_or_create_aggregator().ping.remote(), timeout=30)
 
 
-def test_a_worker_stopped_while_it_reports_stays_removed(agg, tmp_path):
+def test_a_worker_stopped_while_it_reports_stays_removed(ray_cluster, tmp_path):
     """Its last frames (sent before it stopped, drained by the aggregator after `stop` removed it)
     must not register it again as a worker that is down forever — as they did before the registry
     remembered removed incarnations (a ghost `down` worker in every router's view)."""
     import ray
 
+    from actors.aggregator import get_or_create_aggregator
     from actors.fleet import parse_fleet
     from actors.worker_actor import start_worker_actor
     from tests.integration.emitters import Emitter
     from tests.integration.helpers import HealthServer
 
+    agg = get_or_create_aggregator()  # (a test above re-creates it: the module's handle may be dead)
+    ray.get(agg.ping.remote(), timeout=30)
     server = HealthServer()
+    actors, stops = [], []
     names = [f"busy-stop-{i}-{uuid.uuid4().hex[:4]}" for i in range(6)]
     fleet = parse_fleet({"workers": [{"name": n, "url": server.url, "metrics_endpoint": f"ipc://{tmp_path}/{n}",
                                       "page_size": 16} for n in names]})
     try:
         for k, spec in enumerate(fleet.workers):  # one at a time: stopped mid-stream, at a different phase each
             actor = start_worker_actor(spec, fleet.settings, name_prefix="busy-stop-")
+            actors.append(actor)
             ray.get(actor.ready.remote(), timeout=30)
             em = Emitter(spec.metrics_endpoint)
             stop = threading.Event()
+            stops.append(stop)
 
             def emit(em=em, stop=stop):
                 i = 0
@@ -325,7 +331,7 @@ def test_a_worker_stopped_while_it_reports_stays_removed(agg, tmp_path):
                     em.send(request_active_slots=i % 8, num_requests_waiting=0)
                     time.sleep(0.003)
 
-            t = threading.Thread(target=emit)
+            t = threading.Thread(target=emit, daemon=True)
             t.start()
             wait_for(lambda n=spec.name: n in ray.get(agg.names.remote(), timeout=10), 10,
                      what=f"{spec.name} registered")
@@ -339,6 +345,9 @@ def test_a_worker_stopped_while_it_reports_stays_removed(agg, tmp_path):
         back = [n for n in ray.get(agg.names.remote(), timeout=10) if n in names]
         assert back == [], f"stopped workers registered again by their late frames: {back}"
     finally:
-        for n in names:
-            ray.get(agg.remove.remote(n), timeout=10)
+        for ev in stops:
+            ev.set()
+        for a in actors:  # a failure above must not leave an actor probing a port another test reuses
+            ray.kill(a, no_restart=True)
+        ray.get([agg.remove.remote(n) for n in names], timeout=10)
         server.close()
