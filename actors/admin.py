@@ -1,5 +1,4 @@
-"""Fleet administration at run time: start the metrics plane of new workers (their node's metrics
-host or their own actor, `Settings.metrics_hosting`), stop and forget a worker.
+"""Fleet administration at run time: start new workers' actors, stop and forget a worker.
 
 What the router's `/admin/workers` routes call (the router replica does no actor lifecycle of its
 own). Blocking Ray calls run in threads: these are awaited from a replica's serving loop.
@@ -10,10 +9,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from actors.aggregator import get_or_create_aggregator
+from actors.aggregator.actor import get_or_create_aggregator
 from actors.fleet import FleetSpec
 from actors.models import Settings
-from actors.metrics_host import start_worker, stop_workers
+from actors.worker.actor import start_worker, stop_workers
 
 READY_TIMEOUT_S = 300.0  # a managed engine loads its model before its actor is ready
 

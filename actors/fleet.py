@@ -9,7 +9,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from actors.kv_handshake import HandshakeError, plan_subscription
+from actors.wire.kv_handshake import HandshakeError, plan_subscription
 from actors.models import Settings
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -67,9 +67,21 @@ class WorkerSpec(BaseModel):
         description="extra server flags, snake_case (tp_size → --tp-size); kvroute sets --host, --port, "
         "--page-size, --enable-metrics and --kv-events-config itself",
     )
+    env: dict[str, str] = Field(
+        default_factory=dict, max_length=256,
+        description="managed mode: environment variables added to the engine's own (e.g. SGLANG_USE_CPU_ENGINE, "
+        "OMP_NUM_THREADS, HF_HOME); kvroute's own KVROUTE_* variables and CUDA_VISIBLE_DEVICES (Ray sets it from "
+        "num_gpus) cannot be set here",
+    )
+    python: str | None = Field(
+        None, description="managed mode, engine: sglang: the Python interpreter of the environment SGLang is "
+        "installed in (its own torch and kernels), e.g. /opt/sglang/bin/python; default: kvroute's own. kvroute "
+        "runs `PYTHON -m actors.sglang_launch` with kvroute's source directory on its PYTHONPATH (nothing of "
+        "kvroute's needs to be installed there)",
+    )
     kv_events_endpoint: str | None = Field(
         None, description="the endpoint of SGLang's --kv-events-config, as given there (auto: managed mode picks "
-        "a loopback/node port that the worker actor binds); who binds follows SGLang's own rule (actors.kv_handshake)",
+        "a loopback/node port that the worker actor binds); who binds follows SGLang's own rule (actors.wire.kv_handshake)",
     )
     kv_events_bind: bool | None = Field(
         None, description="SGLang's \"bind\" key of --kv-events-config (honoured by SGLang >= 0.5.22 only)"
@@ -121,6 +133,23 @@ class WorkerSpec(BaseModel):
             raise ValueError("a model name is listed twice")
         return v
 
+    @field_validator("env")
+    @classmethod
+    def _env_ok(cls, v: dict[str, str]) -> dict[str, str]:
+        for key in v:
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$", key):
+                raise ValueError(f"{key!r}: an environment variable name is letters, digits and '_'")
+            if key.startswith("KVROUTE_") or key == "CUDA_VISIBLE_DEVICES":
+                raise ValueError(f"{key}: set by kvroute (or by Ray from num_gpus), not by the fleet file")
+        return v
+
+    @field_validator("python")
+    @classmethod
+    def _python_ok(cls, v: str | None) -> str | None:
+        if v is not None and (not v.strip() or "\0" in v):
+            raise ValueError("must be the path of a Python interpreter")
+        return v
+
     @field_validator("url")
     @classmethod
     def _url_ok(cls, v: str | None) -> str | None:
@@ -158,6 +187,11 @@ class WorkerSpec(BaseModel):
                              "the router must know the ranks to route to them)")
         if self.engine == "sglang" and not self.model:
             raise ValueError("engine: sglang needs model (a model path or name)")
+        if self.engine is None and (self.env or self.python):
+            raise ValueError("env and python are for managed mode (engine: sim|sglang): kvroute starts no process "
+                             "in attach mode")
+        if self.python and self.engine != "sglang":
+            raise ValueError("python is for engine: sglang (the simulator runs in kvroute's own Python)")
         if self.role == "prefill" and self.bootstrap_port is None:
             raise ValueError(f"worker {self.name!r}: role: prefill needs bootstrap_port (the server's "
                              f"--disaggregation-bootstrap-port, SGLang's default 8998)")

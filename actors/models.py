@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -68,40 +68,29 @@ class Settings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    # worker actor / metrics host
-    metrics_hosting: Literal["node", "worker"] = Field(
-        "node", description="where a worker's metrics plane runs (kvroute serve, fleet add): 'node' — one metrics "
-        "host actor per Ray node receives all its workers' metrics, sends one batched frame per window (also "
-        "their heartbeat), serves their KV logs and owns its managed engines' processes (their Ray resources held "
-        "by placement groups); 'worker' — one actor per worker. An attach-mode worker asking for Ray resources "
-        "always gets its own actor (it holds them)"
-    )
-    orphan_sweep_s: float = Field(
-        5.0, gt=0, description="how often the aggregator looks for managed workers whose node died with their host, "
-        "and hosts them again where Ray rescheduled their placement group (or, holding no Ray resources and not "
-        "pinned, on its own node)"
-    )
-    reserve_timeout_s: float = Field(
-        120.0, gt=0, description="how long kvroute serve / fleet add wait for a hosted managed worker's Ray resources "
-        "(num_gpus, num_cpus, resources: one placement group per worker) before the worker fails with a clear error"
-    )
-    engine_adopt_grace_s: float = Field(
-        60.0, ge=0, description="how long a hosted managed engine outlives its host (a node's metrics host, or the "
-        "aggregator) so that Ray's restart of that actor adopts it instead of launching it again (its keeper "
-        "stops it when no one has adopted it by then). 0: it stops with its host"
-    )
+    # worker actor
     push_interval_s: float = Field(0.010, gt=0, description="min gap between metric pushes")
     heartbeat_s: float = Field(0.5, gt=0, description="liveness push period")
     health_interval_s: float = Field(
-        1.0, gt=0, description="HTTP /health probe period of a worker whose KvMetrics frames are silent (idle, or "
-        "gone) or whose last probe failed; a dead worker is probed, so down, at most this long after its last frame"
+        1.0, gt=0, description="liveness probe period (GET /v1/models: cheap on SGLang, and it keeps the worker's "
+        "model and LoRA-adapter list fresh) of a worker whose KvMetrics frames are silent (idle, or gone) or whose "
+        "last probe failed; a dead worker is probed, so down, at most this long after its last frame"
     )
     health_busy_interval_s: float = Field(
         5.0, gt=0, description="passive liveness: while a worker's KvMetrics frames keep arriving (one within "
-        "health_interval_s), its scheduler is alive and /health is probed only this often — the slow probe that "
-        "catches an HTTP server that hangs while the scheduler still publishes"
+        "health_interval_s), its scheduler is alive and the liveness probe runs only this often — it catches an "
+        "HTTP server that hangs while the scheduler still publishes"
     )
-    health_timeout_s: float = Field(1.0, gt=0, description="HTTP /health probe timeout")
+    health_timeout_s: float = Field(1.0, gt=0, description="liveness probe (GET /v1/models) timeout")
+    health_check_interval_s: float = Field(
+        10.0, gt=0, description="period of the slow confirmation, GET /health: on SGLang it runs a one-token "
+        "generation through the scheduler and answers after at least 1 s (200), or 503 after its own "
+        "SGLANG_HEALTH_CHECK_TIMEOUT (20 s) — a 503 marks the worker down"
+    )
+    health_check_timeout_s: float = Field(
+        25.0, gt=0, description="GET /health timeout: longer than SGLang's own 20 s verdict, so that its 503 is "
+        "what kvroute sees; a timeout counts as one probe timeout"
+    )
     health_timeouts_before_down: int = Field(
         2, ge=1, description="consecutive probe timeouts before unhealthy (refused = at once)"
     )
@@ -127,13 +116,6 @@ class Settings(BaseModel):
         "quiet spell at once), and the aggregator publishes deltas of fewer than 8 workers at most once per window "
         "(larger ones every publish_interval_s). 0.1 s: on the Mooncake replay kv_aware routes as well as at 0.05 "
         "(its own ledger carries what it sent since) for half the wake-ups (bench/results/scale.md)"
-    )
-    fleet_window_s: float = Field(
-        0.01, gt=0, description="the coalescing window of every metrics host while the fleet is large (the aggregator "
-        "takes at least 8 changed reports per publish_interval_s, 800/s at the defaults, and publishes every "
-        "publish_interval_s then): the aggregator hands it to the hosts (actors/fleet_window.py), so a change waits at "
-        "most fleet_window_s at its host plus publish_interval_s at the aggregator (20 ms at the defaults). Small "
-        "fleets keep coalesce_s. Never longer than coalesce_s"
     )
     aggregator_resources: dict[str, float] = Field(
         default_factory=dict, description="custom Ray resources the aggregator requests (e.g. kvroute_head)"

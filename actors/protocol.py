@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
-from actors.kv_events import KvEvent
+from actors.wire.kv_events import KvEvent
 from actors.models import KV_METRICS_FIELDS
 
 assert KV_METRICS_FIELDS == (
@@ -30,7 +30,7 @@ Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 Seconds = Annotated[float, msgspec.Meta(ge=0.0)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
-MAX_INGEST_FRAME_BYTES = 1 << 20  # a report is ~150 B; a batch of a whole node's workers stays far below
+MAX_INGEST_FRAME_BYTES = 1 << 20  # a report is ~150 B; a batch of reports stays far below
 MAX_DELTA_FRAME_BYTES = 64 << 20  # a full snapshot of 10,000 workers is ~2 MB
 
 
@@ -132,21 +132,7 @@ class InFlightShare(msgspec.Struct, tag="f", array_like=True, frozen=True):
     counts: dict[str, Count]
 
 
-class HostFrame(msgspec.Struct, tag="h", array_like=True, frozen=True):
-    """A metrics host's frame (one per coalescing window, or a heartbeat when nothing changed for
-    `heartbeat_s`): the whole reports of its workers that changed (of all of them after it
-    (re)connected to the aggregator) and the names of every worker it hosts. The frame itself is
-    their heartbeat: liveness costs one frame per host, not one per worker. A host vouches only
-    for its own workers: a report whose name is not in `workers` makes the frame malformed."""
-
-    token: str
-    host: Name
-    incarnation: Name
-    workers: Annotated[list[Name], msgspec.Meta(max_length=65536)]
-    reports: list[WorkerReport] = []
-
-
-Ingest = Union[ReportBatch, InFlightShare, HostFrame]
+Ingest = Union[ReportBatch, InFlightShare]
 
 
 class WorkerUpdate(msgspec.Struct, array_like=True, frozen=True):
@@ -189,7 +175,9 @@ class FleetDelta(msgspec.Struct, array_like=True, frozen=True):
     at version v applies a delta iff same epoch and `prev_version <= v < version`; a delta with
     `prev_version > v` means it missed one and must resync from a full snapshot. `replicas`: the
     router replicas whose in-flight shares are current (`InFlightShare`), sent like `names` — when
-    it changed in that range, and in every full snapshot; a replica alone in it need not share fast."""
+    it changed in that range, and in every full snapshot; a replica alone in it need not share fast.
+    `heard`: workers whose report arrived since the previous delta without changing anything (a
+    heartbeat), so followers know their heartbeat age without a version per heartbeat."""
 
     epoch: str
     version: int
@@ -199,6 +187,7 @@ class FleetDelta(msgspec.Struct, array_like=True, frozen=True):
     names: list[str] | None = None
     metrics: list[MetricsUpdate] = []
     replicas: list[str] | None = None
+    heard: list[str] = []
 
 
 class Endpoints(msgspec.Struct, frozen=True):
@@ -270,22 +259,6 @@ class WorkerActorStats(msgspec.Struct, frozen=True):
     kv_events: KvEventsCounters | None
 
 
-class HostStats(msgspec.Struct, frozen=True):
-    """`host_stats()` of a node's metrics host (a `MetricsHost`, or the aggregator for its own node): what it
-    hosts and what it pushed."""
-
-    host: str
-    incarnation: str
-    pid: int
-    workers: list[str]
-    frames: int  # frames queued toward the aggregator (each one its workers' heartbeat)
-    full_frames: int  # of them, frames with every worker's report (start, aggregator reconnects)
-    frames_dropped: int
-    aggregator_connects: int
-    health_probes: int = 0  # /health requests made for its workers (passive liveness skips most while they publish)
-    window_s: float | None = None  # the fleet-wide coalescing window its link follows (None: coalesce_s, not heard yet)
-
-
 class AggregatorStats(msgspec.Struct, frozen=True):
     """`Aggregator.stats()`: counters for benchmarks and diagnosis."""
 
@@ -299,9 +272,6 @@ class AggregatorStats(msgspec.Struct, frozen=True):
     published: int
     published_bytes: int
     endpoints: dict[str, tuple[str, str]]
-    hosts: int = 0  # metrics hosts heard from (node hosting)
-    host_frames: int = 0  # frames received from them (each one their workers' heartbeat)
-    host_window_s: float = 0.0  # the fleet-wide coalescing window handed to metrics hosts now (actors.fleet_window)
     late_reports: int = 0  # reports of a removed worker's incarnation that arrived after its removal (ignored)
 
 
@@ -311,11 +281,11 @@ _delta_encoder = msgspec.msgpack.Encoder()
 _delta_decoder = msgspec.msgpack.Decoder(FleetDelta)
 
 
-def encode(msg: ReportBatch | InFlightShare | HostFrame | FleetDelta) -> bytes:
+def encode(msg: ReportBatch | InFlightShare | FleetDelta) -> bytes:
     return _ingest_encoder.encode(msg)
 
 
-def decode_ingest(frame: bytes, max_bytes: int = MAX_INGEST_FRAME_BYTES) -> ReportBatch | InFlightShare | HostFrame:
+def decode_ingest(frame: bytes, max_bytes: int = MAX_INGEST_FRAME_BYTES) -> ReportBatch | InFlightShare:
     """One pushed frame → its message. Raises ProtocolError for anything else."""
     if len(frame) > max_bytes:
         raise ProtocolError(f"frame of {len(frame)} bytes exceeds {max_bytes}")
@@ -323,12 +293,7 @@ def decode_ingest(frame: bytes, max_bytes: int = MAX_INGEST_FRAME_BYTES) -> Repo
         msg = _ingest_decoder.decode(frame)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError(str(exc)[:200]) from None
-    if isinstance(msg, HostFrame) and msg.reports:
-        hosted = set(msg.workers)
-        for r in msg.reports:
-            if r.name not in hosted:
-                raise ProtocolError(f"host {msg.host}: report for worker {r.name}, which it does not host")
-    if isinstance(msg, (ReportBatch, HostFrame)):
+    if isinstance(msg, ReportBatch):
         for r in msg.reports:
             for rank in r.ranks:
                 if not (math.isfinite(rank.gpu_cache_usage_perc) and math.isfinite(rank.gpu_prefix_cache_hit_rate)

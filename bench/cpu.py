@@ -33,12 +33,11 @@ from typing import Any
 import psutil
 
 FAMILIES: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("metrics plane", re.compile(r"-m actors\.keeper\b")),  # an engine's keeper (its argv holds the engine's)
     ("engines", re.compile(r"-m sim\b|actors\.sglang_launch|ServeReplica:[^:]+:SimEngine")),
     ("peer router", re.compile(r"sglang_router|sglang::router")),
     ("ingress", re.compile(r"haproxy|ray::HAProxyManager|ray::ProxyActor")),
     ("serve controller", re.compile(r"ray::ServeController")),
-    ("metrics plane", re.compile(r"ray::Aggregator|ray::WorkerActor|ray::MetricsHost")),  # + the keepers above
+    ("metrics plane", re.compile(r"ray::Aggregator|ray::WorkerActor")),
     ("replica", re.compile(r"ray::ServeReplica:([^:\s]+)")),
     ("ray system", re.compile(r"gcs_server|raylet|dashboard|log_monitor|ray::IDLE|ray/_private|monitor\.py|ray::")),
 )
@@ -63,9 +62,9 @@ def _busy_s() -> float:
 
 def keep_orphans() -> bool:
     """Make this process the child subreaper of everything it starts (Linux): a process whose parent
-    exits is re-parented here instead of to init, so it stays in this run's process tree. kvroute's
-    engine keepers detach from the Ray worker that launches them (`actors.keeper`), and without this
-    they and their engines would count as "other jobs". False where unsupported."""
+    exits is re-parented here instead of to init, so it stays in this run's process tree (a daemon
+    that detaches from what started it would otherwise count as "other jobs"). False where
+    unsupported."""
     if not sys.platform.startswith("linux"):
         return False
     import ctypes

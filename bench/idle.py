@@ -35,7 +35,6 @@ PROCESSES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("Serve controller", re.compile(r"ray::ServeController")),
     ("aggregator", re.compile(r"ray::Aggregator")),
     ("worker actors", re.compile(r"ray::WorkerActor")),
-    ("metrics host", re.compile(r"ray::MetricsHost")),
     ("router replica", re.compile(r"ray::ServeReplica")),
     ("gcs_server", re.compile(r"gcs_server")),
     ("raylet", re.compile(r"raylet")),

@@ -73,7 +73,7 @@ def _sender(endpoint: str, n: int, form: str) -> None:
 
 
 def _receive(endpoint: str, n: int, form: str, decode: bool) -> float:
-    from actors.ingest import MetricsBook
+    from actors.worker.ingest import MetricsBook
 
     expected = _varied_values()
     ctx = zmq.Context()
@@ -174,9 +174,9 @@ def bench_freshness(n_emitters: int, seconds: float, period_s: float, poll_s: fl
     import ray
     from ray import serve
 
-    from actors.aggregator import get_or_create_aggregator, kill_aggregator
+    from actors.aggregator.actor import get_or_create_aggregator, kill_aggregator
     from actors.fleet import parse_fleet
-    from actors.worker_actor import start_worker_actor
+    from actors.worker.actor import start_worker
     from serve_app.app import build_app
     from sim.sglang_shapes import encode_kv_metrics
     from tests.integration.helpers import HealthServer
@@ -188,7 +188,7 @@ def bench_freshness(n_emitters: int, seconds: float, period_s: float, poll_s: fl
     ]})
     agg = get_or_create_aggregator(fleet.settings)
     ray.get(agg.ping.remote())
-    actors = [start_worker_actor(w, fleet.settings, name_prefix=f"bench{n_emitters}-") for w in fleet.workers]
+    actors = [start_worker(w, fleet.settings, name_prefix=f"bench{n_emitters}-") for w in fleet.workers]
     ray.get([a.ready.remote() for a in actors])
     serve.run(build_app({"fleet": fleet.model_dump(mode="json"), "manage_fleet": False}), name=f"fresh{n_emitters}", route_prefix=f"/fresh{n_emitters}")
     base = f"http://127.0.0.1:{BENCH_PORT}/fresh{n_emitters}"

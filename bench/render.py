@@ -231,7 +231,7 @@ def _cpu_per_request(doc: dict[str, Any], targets: list[str]) -> list[str]:
          "warm-up included; families in "
          "`bench/cpu.py`). *Router side*: for kvroute its router replica, the Serve ingress (HAProxy + its "
          "manager + Serve's proxy actor), the Serve controller, kvroute's metrics plane (the aggregator, "
-         "metrics hosts, worker actors and engine keepers) and Ray's own processes; for sglang-router its one process. The load generator is the "
+         "worker actors) and Ray's own processes; for sglang-router its one process. The load generator is the "
          "benchmark's own process; its share of the machine is shown so that it is never what saturates it.\n"]
     for (w, rate) in sorted(cells):
         rows = []
@@ -282,7 +282,7 @@ def _models_line(doc: dict[str, Any], models: list[str], workers: int) -> str:
             checks[t["target"]][0] += c["sent"]
             checks[t["target"]][1] += c["served_by_its_workers"]
     ok = ", ".join(f"{n} {served}/{sent}" for n, (sent, served) in sorted(checks.items()))
-    return (f"- Models: " + "; ".join(f"`{m}` on {', '.join(ws)}" for m, ws in share.items())
+    return ("- Models: " + "; ".join(f"`{m}` on {', '.join(ws)}" for m, ws in share.items())
             + ". Every shared-prefix group (else every conversation) asks for one model, groups alternating. "
               f"Requests that reached a worker of their own model / requests sent, per target: {ok}.")
 

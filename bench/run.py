@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
-    keep_orphans()  # before anything starts: detached engine keepers stay in this run's process tree
+    keep_orphans()  # before anything starts: what detaches stays in this run's process tree
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
     ap.add_argument("--suite", choices=sorted(SUITES), default="quick")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="results directory")

@@ -18,8 +18,7 @@ then R = 4 (3 more followers started cold into the running fleet):
 - cold follower: `FleetFollower.start()` → it holds all N workers.
 
     python -m bench.scale [--workers 100 1000] [--hz 2 10] [--seconds 5] [--emulators 2] [--change-every K]
-    python -m bench.scale --real-actors 4 [--frame-hz 30] [--seconds 20] [--hosting node|host|worker|both|all]
-    python -m bench.scale --workers 10000 --hz 2 --change-every 10 --per-host 8   # emulated metrics hosts
+    python -m bench.scale --real-actors 8 [--frame-hz 30] [--seconds 20]   # real WorkerActors vs bare actors
 
 A benchmark, not a test: figures vary with the machine's other load (the load average is printed).
 """
@@ -55,28 +54,20 @@ VALUES = dict(request_active_slots=12, request_total_slots=64, kv_active_blocks=
 
 @ray.remote(num_cpus=0)
 class Emulator:
-    """Plays `names` workers, each reporting at `hz` with its phase spread over the period.
-
-    `per_host` 0: each worker sends what a `WorkerActor` sends — its whole report, one frame per
-    report (new values, or the same ones as a heartbeat). `per_host` K > 0 (node hosting): the
-    workers are grouped K to a metrics host, and each group is a real `HostPipe` (the code a
-    `MetricsHost` runs, without the SGLang sockets): a worker's new values go to `changed()`, and
-    the pipe sends what a host sends — one `HostFrame` per coalescing window with the changed
-    workers' reports, a bare heartbeat frame per host when nothing changed."""
+    """Plays `names` workers, each reporting at `hz` with its phase spread over the period: each
+    worker sends what a `WorkerActor` sends — its whole report, one frame per report (new values,
+    or the same ones as a heartbeat)."""
 
     def __init__(self, names: list[str], hz: float, base: float, settings: dict[str, Any],
-                 change_every: int = 1, per_host: int = 0, host_prefix: str = "h") -> None:
+                 change_every: int = 1) -> None:
         import uuid
 
         self.names, self.hz, self.base, self.change_every = names, hz, base, change_every
-        self.per_host, self.host_prefix = per_host, host_prefix
         self.reports = {n: 0 for n in names}
         self.settings = settings
         self.incarnation = {n: uuid.uuid4().hex[:12] for n in names}
         self.seq = {n: 0 for n in names}
         self.sent_us = {n: 0 for n in names}
-        self.pipe_of: dict[str, Any] = {}
-        self.pipes: list[Any] = []
         self.missed = 0
         self.offered = 0
         self.sent = 0
@@ -87,32 +78,15 @@ class Emulator:
         return os.getpid()
 
     async def start(self) -> None:
-        n_hosts = -(-len(self.names) // self.per_host) if self.per_host else 0
-        self._sender = await _sender(self.settings, hwm=2 * (n_hosts or len(self.names)), follow_window=bool(n_hosts))
-        if self.per_host:
-            from actors.host_pipe import HostPipe
-            from actors.models import Settings
-
-            s = Settings.model_validate(self.settings)
-            for h in range(n_hosts):
-                pipe = HostPipe(f"{self.host_prefix}{h:05d}", self._sender.link, s)
-                for name in self.names[h * self.per_host:(h + 1) * self.per_host]:
-                    pipe.add(name, None, None, lambda n=name: self._build(n))
-                    self.pipe_of[name] = pipe
-                pipe.start()
-                self.pipes.append(pipe)
+        self._sender = await _sender(self.settings, hwm=2 * len(self.names))
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     def counters(self) -> EmulatorCounters:
-        frames = sum(p.frames for p in self.pipes)
-        return EmulatorCounters(offered=self.offered, sent=self.sent + frames, coalesced=self.coalesced,
-                                missed=self.missed)
+        return EmulatorCounters(offered=self.offered, sent=self.sent, coalesced=self.coalesced, missed=self.missed)
 
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-        for p in self.pipes:
-            p.stop()
         await self._sender.close()
 
     def _tick(self, name: str) -> bool:
@@ -126,7 +100,7 @@ class Emulator:
         return False
 
     def _build(self, name: str) -> Any:
-        """What `WorkerActor._report()` / a host's worker report builds: one rank, KV counts in blocks."""
+        """What `WorkerActor._report()` builds: one rank, KV counts in blocks."""
         from actors.protocol import RankMetrics, WorkerReport
 
         rank = RankMetrics(**{**VALUES, "num_requests_waiting": self.sent_us[name], "age_s": 0.0,
@@ -141,7 +115,6 @@ class Emulator:
         t0 = time.monotonic()
         due = [t0 + period * i / n for i in range(n)]
         i = 0
-        hosted = bool(self.per_host)
         while True:
             now = time.monotonic()
             while due[i] <= now:  # the workers whose turn has come, in phase order
@@ -151,37 +124,30 @@ class Emulator:
                     due[i] += period
                     i = (i + 1) % n
                     continue
-                new = self._tick(name)
-                if hosted:  # the host's frames are the heartbeats: only new values are offered
-                    if new:
-                        self.offered += 1
-                        self.pipe_of[name].changed(name)
+                self._tick(name)
+                self.offered += 1
+                if self._sender.send(self._build(name)):
+                    self.sent += 1
                 else:
-                    self.offered += 1
-                    if self._sender.send(self._build(name)):
-                        self.sent += 1
-                    else:
-                        self.coalesced += 1
+                    self.coalesced += 1
                 due[i] += period
                 i = (i + 1) % n
             await asyncio.sleep(max(0.0, min(tick, due[i] - time.monotonic())))
 
 
-async def _sender(settings: dict[str, Any], hwm: int, follow_window: bool = False) -> Any:
+async def _sender(settings: dict[str, Any], hwm: int) -> Any:
     """One link for all the emulator's workers, queueing at most `max_pending_pushes` (2) frames
-    per worker as each worker actor's own link does: a starved emulator drops, it does not buffer.
-    `follow_window`: emulated metrics hosts follow the aggregator's fleet-wide window, as a
-    `MetricsHost`'s link does."""
-    from actors.link import AggregatorLink
+    per worker as each worker actor's own link does: a starved emulator drops, it does not buffer."""
+    from actors.transport.link import AggregatorLink
 
-    link = AggregatorLink(lambda: asyncio.to_thread(_aggregator, settings), hwm=hwm, follow_window=follow_window)
+    link = AggregatorLink(lambda: asyncio.to_thread(_aggregator, settings), hwm=hwm)
     while not await link.ensure():
         await asyncio.sleep(0.1)
     return _ZmqSender(link)
 
 
 def _aggregator(settings: dict[str, Any]) -> Any:
-    from actors.aggregator import get_or_create_aggregator
+    from actors.aggregator.actor import get_or_create_aggregator
     from actors.models import Settings
 
     return get_or_create_aggregator(Settings.model_validate(settings))
@@ -189,7 +155,7 @@ def _aggregator(settings: dict[str, Any]) -> Any:
 
 class _ZmqSender:
     """`WorkerActor._push_loop`'s send: one `ReportBatch` frame per report through an
-    `AggregatorLink` (here one link, one PUSH socket, for all the emulator's workers or hosts)."""
+    `AggregatorLink` (here one link, one PUSH socket, for all the emulator's workers)."""
 
     def __init__(self, link: Any) -> None:
         self.link = link
@@ -367,14 +333,12 @@ def _window(agg: Any, agg_pid: int, emus: list[Any], hosts: list[Any], host_pids
         "fol_cpu": 100 * fol_cpu, "floor_cpu": 100 * (c1[floor_pid] - c0[floor_pid]) / dt,
         "deltas_s": deltas, "p50": _q(lat, 50), "p99": _q(lat, 99), "samples": len(lat),
         "bytes": nbytes / frames if frames else float("nan"),
-        "frames_s": ((a1.host_frames - a0.host_frames) / dt) if a1.host_frames else absorbed,  # ingest frames/s
-        "window_ms": 1e3 * a1.host_window_s,  # the fleet-wide host window at the window's end
     }
 
 
 def run_cell(n: int, hz: float, seconds: float, n_emulators: int, followers: list[int],
-             change_every: int = 1, per_host: int = 0, plane: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    from actors.aggregator import get_or_create_aggregator, kill_aggregator
+             change_every: int = 1, plane: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    from actors.aggregator.actor import get_or_create_aggregator, kill_aggregator
     from actors.models import Settings
 
     settings = Settings(**(plane or {}))
@@ -384,7 +348,7 @@ def run_cell(n: int, hz: float, seconds: float, n_emulators: int, followers: lis
     agg_pid = ray.get(agg.stats.remote()).pid
     base = time.time()
     names = [f"w{i:05d}" for i in range(n)]
-    emus = [Emulator.remote(names[k::n_emulators], hz, base, sd, change_every, per_host, f"h{k}-")
+    emus = [Emulator.remote(names[k::n_emulators], hz, base, sd, change_every)
             for k in range(n_emulators)]
     ray.get([e.start.remote() for e in emus])
     _wait(lambda: ray.get(agg.stats.remote()).workers >= n, 60 + n / 100, f"{n} workers registered")
@@ -403,7 +367,7 @@ def run_cell(n: int, hz: float, seconds: float, n_emulators: int, followers: lis
         cold = max(ray.get([h.cold_s.remote() for h in new]))
         time.sleep(1.0)
         row = _window(agg, agg_pid, emus, hosts, host_pids, floor_pid, seconds)
-        row.update(n=n, hz=hz, r=r, cold_s=cold, change_every=change_every, per_host=per_host)
+        row.update(n=n, hz=hz, r=r, cold_s=cold, change_every=change_every)
         rows.append(row)
         _print_row(row)
     ray.get([h.stop.remote() for h in hosts])
@@ -433,55 +397,38 @@ def _profile(pids: dict[str, int], seconds: float, out_dir: str) -> list[subproc
 
 
 def real_actors(k: int, seconds: float, frame_hz: float = 0.0, profile: str | None = None,
-                hosting: str = "worker", plane: dict[str, Any] | None = None) -> dict[str, float]:
-    """CPU of `k` real workers' metrics plane (attach mode: a /health server, no engine) beside `k`
-    bare async actors, the aggregator and one follower host, % of one core. `hosting` 'node': as
-    `kvroute serve` places them (`start_worker`: on the aggregator's node, hosted by the aggregator
-    itself); 'host': by one real `MetricsHost` (as on a node without the aggregator); 'worker': `k`
-    real `WorkerActor`s. `frame_hz` > 0: each actor
-    receives that many SGLang KvMetrics frames per second (0.5.23 pickle form) from this process —
-    SGLang's cadence under load is a frame per prefill batch and every 40 decode steps, tens a
-    second; 0: idle (heartbeat pushes and /health probes only)."""
+                plane: dict[str, Any] | None = None) -> dict[str, Any]:
+    """CPU and RSS of `k` real `WorkerActor`s (attach mode: a /health + /v1/models server, no engine)
+    beside `k` bare async actors (an idle Ray actor's floor), the aggregator and one follower host;
+    CPU in % of one core. `frame_hz` > 0: each actor receives that many SGLang KvMetrics frames per
+    second (0.5.23 pickle form) from this process — SGLang's cadence under load is a frame per
+    prefill batch and every 40 decode steps, tens a second; 0: idle (SGLang is silent when idle:
+    heartbeat pushes and liveness probes only)."""
     import tempfile
     import threading
 
     import zmq
 
-    from actors.aggregator import get_or_create_aggregator, kill_aggregator
+    from actors.aggregator.actor import get_or_create_aggregator, kill_aggregator
     from actors.fleet import parse_fleet
-    from actors.worker_actor import start_worker_actor
+    from actors.worker.actor import start_worker
     from sim.sglang_shapes import encode_kv_metrics
     from tests.integration.helpers import HealthServer
 
     health = HealthServer()
     tmp = tempfile.mkdtemp(prefix="kvroute-real-")
-    # served_model_names: a real SGLang answers /v1/models once; the /health stand-in never does, and
-    # without declared names every probe would ask it again (a request per worker per second)
     fleet = parse_fleet({"workers": [{"name": f"real{i}", "url": health.url, "metrics_endpoint": f"ipc://{tmp}/r{i}.m",
                                       "served_model_names": ["m"]} for i in range(k)], "settings": plane or {}})
     kill_aggregator()
     agg = get_or_create_aggregator(fleet.settings)
     agg_pid = ray.get(agg.stats.remote()).pid
-    if hosting == "node":
-        from actors.metrics_host import start_worker
-
-        actors = [start_worker(w, fleet.settings) for w in fleet.workers]
-        assert actors[0].host._actor_id == agg._actor_id, "expected the aggregator to host its node's workers"
-    elif hosting == "host":
-        from actors.metrics_host import start_hosted_worker
-
-        actors = [start_hosted_worker(w, fleet.settings, prefix="scale-real-host-") for w in fleet.workers]
-    else:
-        actors = [start_worker_actor(w, fleet.settings, name_prefix="scale-real-") for w in fleet.workers]
+    actors = [start_worker(w, fleet.settings, name_prefix="scale-real-") for w in fleet.workers]
     ray.get([a.ready.remote() for a in actors])
     bare = [BareActor.remote() for _ in range(k)]
     base = time.time()
     host = FollowerHost.remote(base, fleet.settings.model_dump())
     ray.get(host.start.remote(k))
-    # the worker-side processes: none (the aggregator hosts them), one host, or k actors
-    hosting_actor = {"node": agg, "host": getattr(actors[0], "host", None)}.get(hosting)
-    handles = [] if hosting == "node" else [hosting_actor] if hosting == "host" else actors
-    wpids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in handles])
+    wpids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in actors])
     bpids = ray.get([b.pid.remote() for b in bare])
     hpid = ray.get(host.pid.remote())
     stop = threading.Event()
@@ -509,13 +456,12 @@ def real_actors(k: int, seconds: float, frame_hz: float = 0.0, profile: str | No
     if frame_hz > 0:
         t.start()
     time.sleep(3.0)
-    spied = {"aggregator": agg_pid, "follower": hpid, "bare_actor": bpids[0], **({"worker_side": wpids[0]} if wpids else {})}
+    spied = {"aggregator": agg_pid, "follower": hpid, "bare_actor": bpids[0], "worker_actor": wpids[0]}
     spies = _profile(spied, seconds, profile) if profile else []
-    probes0 = ray.get(hosting_actor.host_stats.remote()).health_probes if hosting_actor else 0
-    frames0 = ray.get(agg.stats.remote()).host_frames
+    probes0 = health.probes
     took0 = ray.get(host.take.remote())  # freshness samples from the window only
     w0_us = (time.time() - base) * 1e6
-    threads = [agg_pid, hpid, bpids[0]]
+    threads = [agg_pid, hpid, bpids[0], wpids[0]]
     t_0 = {p: _thread_cpu_s(p) for p in threads}
     c0 = {p: _cpu_s(p) for p in [*wpids, *bpids, agg_pid, hpid]}
     t0 = time.monotonic()
@@ -526,40 +472,48 @@ def real_actors(k: int, seconds: float, frame_hz: float = 0.0, profile: str | No
     w1_us = (time.time() - base) * 1e6
     took = ray.get(host.take.remote())
     view = _view_ages_ms(took0.seen + took.seen, w0_us + 200_000, w1_us)  # (a 200 ms margin: every worker seen)
-    probes1 = ray.get(hosting_actor.host_stats.remote()).health_probes if hosting_actor else 0
-    a1 = ray.get(agg.stats.remote())
-    frames1 = a1.host_frames
+    probes1 = health.probes
+    rss = {p: _rss_mb(p) for p in [*wpids, *bpids]}
     for spy in spies:
         spy.wait(timeout=60)
     stop.set()
     pct = {p: 100 * (c1[p] - c0[p]) / dt for p in c0}
-    out = {"worker_actor": statistics.mean(pct[p] for p in wpids) if wpids else 0.0,
-           "bare_actor": statistics.mean(pct[p] for p in bpids),
+    out = {"worker_actor": statistics.mean(pct[p] for p in wpids), "bare_actor": statistics.mean(pct[p] for p in bpids),
+           "worker_actor_max": max(pct[p] for p in wpids),
+           "worker_rss_mb": statistics.mean(rss[p] for p in wpids), "bare_rss_mb": statistics.mean(rss[p] for p in bpids),
+           "worker_rss_max_mb": max(rss[p] for p in wpids),
            "aggregator": pct[agg_pid], "follower": pct[hpid], "processes": len(wpids),
-           "frames_s": (frames1 - frames0) / dt, "window_ms": 1e3 * a1.host_window_s, "probes_s": (probes1 - probes0) / dt if hosting_actor else None,
+           "probes_s": (probes1 - probes0) / dt,
            "deltas_s": (took.updates - took0.updates) / dt, "p50": _q(took.lat_ms, 50),
            "view_p50": _q(view, 50), "view_p99": _q(view, 99), "view_mean": statistics.mean(view) if view else float("nan"), "p99": _q(took.lat_ms, 99), "samples": len(took.lat_ms),
            "threads": {name: _thread_split(t_0[p], t_1[p], dt) for name, p in
-                       (("aggregator", agg_pid), ("follower", hpid), ("bare", bpids[0]))}}
+                       (("aggregator", agg_pid), ("follower", hpid), ("bare", bpids[0]), ("worker actor", wpids[0]))}}
     ray.get(host.stop.remote())
     ray.get([a.stop.remote() for a in actors])
-    for a in [*handles, *bare, host]:
+    for a in [*actors, *bare, host]:
         ray.kill(a)
     kill_aggregator()
     health.close()
     return out
 
 
-HEADER = ("| N × Hz | hosting | host window ms | R | offered/s | absorbed/s | frames/s | aggregator % core | µs/report "
+def _rss_mb(pid: int) -> float:
+    """Resident memory, MB (USS would leave out what the Ray worker shares with its siblings)."""
+    try:
+        return psutil.Process(pid).memory_info().rss / 1e6
+    except psutil.Error:
+        return float("nan")
+
+
+HEADER = ("| N × Hz | R | offered/s | absorbed/s | aggregator % core | µs/report "
           "| follower % core (floor) | deltas/s | fresh p50 / p99 ms | bytes/delta | cold follower s | load |\n"
-          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def _print_row(r: dict[str, Any]) -> None:
     kind = {0: " hb", 1: ""}.get(r["change_every"], f" 1/{r['change_every']}")
-    hosting = f"{r['per_host']}/host" if r["per_host"] else "worker"
-    print(f"| {r['n']:,} × {r['hz']:g}{kind} | {hosting} | {r['window_ms']:.0f} | {r['r']} | {r['offered']:,.0f} | {r['absorbed']:,.0f} "
-          f"| {r['frames_s']:,.0f} | {r['agg_cpu']:.0f} "
+    print(f"| {r['n']:,} × {r['hz']:g}{kind} | {r['r']} | {r['offered']:,.0f} | {r['absorbed']:,.0f} "
+          f"| {r['agg_cpu']:.0f} "
           f"| {r['us_per_report']:.0f} | {r['fol_cpu']:.1f} ({r['floor_cpu']:.1f}) | {r['deltas_s']:.0f} "
           f"| {r['p50']:.0f} / {r['p99']:.0f} | {r['bytes']:,.0f} | {r['cold_s']:.2f} | {os.getloadavg()[0]:.1f} |", flush=True)
 
@@ -574,23 +528,13 @@ def main() -> int:
     ap.add_argument("--change-every", type=int, default=1, metavar="K",
                     help="every K-th report of a worker carries new values, the others repeat them (heartbeats); "
                          "0: heartbeats only (an idle fleet: nothing to publish). Rows are marked 1/K or hb")
-    ap.add_argument("--per-host", type=int, default=0, metavar="K",
-                    help="node hosting: emulated workers grouped K to a metrics host, each host a real HostPipe "
-                         "sending batched HostFrames (offered/s then counts new values only: the host's frames are "
-                         "the heartbeats); 0: one frame per worker report, as WorkerActors send")
     ap.add_argument("--coalesce-s", type=float, default=None,
                     help="Settings.coalesce_s for the run (default: the setting's default, 0.05)")
-    ap.add_argument("--fleet-window-s", type=float, default=None,
-                    help="Settings.fleet_window_s for the run (default: the setting's default, 0.01)")
     ap.add_argument("--health-busy-s", type=float, default=None,
                     help="Settings.health_busy_interval_s for the run (default: the setting's default, 5)")
     ap.add_argument("--real-actors", type=int, default=0, metavar="K",
                     help="instead: K real WorkerActors beside K bare async actors, the aggregator and one follower, "
                          "CPU of each over --seconds")
-    ap.add_argument("--hosting", choices=["node", "host", "worker", "both", "all"], default="both",
-                    help="with --real-actors: the workers where kvroute serve puts them on the aggregator's node — "
-                         "in the aggregator (node); in one separate MetricsHost, as on another node (host); in their "
-                         "own WorkerActors (worker); node and worker (both), or all three, one after the other")
     ap.add_argument("--frame-hz", type=float, default=0.0,
                     help="with --real-actors: SGLang frames per second sent to each actor (0: idle)")
     ap.add_argument("--profile", metavar="DIR",
@@ -610,43 +554,33 @@ def main() -> int:
     ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
     if ns.real_actors:
         k = ns.real_actors
-        order = {"both": ["node", "worker"], "all": ["node", "host", "worker"]}.get(ns.hosting, [ns.hosting])
-        for hosting in order:
-            plane_cfg = {**({"coalesce_s": ns.coalesce_s} if ns.coalesce_s else {}),
-                         **({"fleet_window_s": ns.fleet_window_s} if ns.fleet_window_s else {}),
-                         **({"health_busy_interval_s": ns.health_busy_s} if ns.health_busy_s else {})}
-            r = real_actors(k, ns.seconds, ns.frame_hz, ns.profile, hosting, plane_cfg or None)
-            m = r["processes"]  # worker-side processes: k worker actors, one metrics host, or none
-            plane = m * r["worker_actor"] + r["aggregator"] + r["follower"]
-            what = {"node": f"{k} workers hosted by the aggregator", "host": f"{k} workers in 1 real MetricsHost",
-                    "worker": f"{k} real WorkerActors"}[hosting]
-            side = {"node": "no worker-side process", "host": f"MetricsHost {r['worker_actor']:.2f}",
-                    "worker": f"WorkerActor {r['worker_actor']:.2f} each"}[hosting]
-            extra = "" if r["probes_s"] is None else (f"; host frames {r['frames_s']:.1f}/s (window {r['window_ms']:.0f} ms), "
-                                                      f"/health probes {r['probes_s']:.2f}/s")
-            print(f"{what}, {ns.frame_hz:g} SGLang frames/s each, {ns.seconds:g} s, load {os.getloadavg()[0]:.1f}; "
-                  f"% of one core: {side} (bare async actor {r['bare_actor']:.2f}"
-                  + (f" → {r['worker_actor'] - r['bare_actor']:.2f} above the floor" if m else "")
-                  + f"), aggregator {r['aggregator']:.2f}, follower {r['follower']:.2f}; metrics plane total "
-                  f"{plane:.1f} ({plane - (m + 2) * r['bare_actor']:.1f} above {m + 2} actor floors){extra}", flush=True)
-            if ns.frame_hz:
-                print(f"  freshness (SGLang frame sent → value in the follower's workers) p50 / p99 "
-                      f"{r['p50']:.1f} / {r['p99']:.1f} ms over {r['samples']} values; the router's view age "
-                      f"(now − sent of the value it holds, every ms) p50 / p99 {r['view_p50']:.1f} / {r['view_p99']:.1f}, "
-                      f"mean {r['view_mean']:.1f} ms; follower deltas "
-                      f"{r['deltas_s']:.1f}/s", flush=True)
-            for who, split in r["threads"].items():
-                print(f"  {who} threads, % of one core: " + ", ".join(f"{k} {v:.2f}" for k, v in split.items()),
-                      flush=True)
+        plane_cfg = {**({"coalesce_s": ns.coalesce_s} if ns.coalesce_s else {}),
+                     **({"health_busy_interval_s": ns.health_busy_s} if ns.health_busy_s else {})}
+        r = real_actors(k, ns.seconds, ns.frame_hz, ns.profile, plane_cfg or None)
+        plane = k * r["worker_actor"] + r["aggregator"] + r["follower"]
+        print(f"{k} real WorkerActors, {ns.frame_hz:g} SGLang frames/s each, {ns.seconds:g} s, load "
+              f"{os.getloadavg()[0]:.1f}; % of one core: WorkerActor {r['worker_actor']:.2f} each (max "
+              f"{r['worker_actor_max']:.2f}; bare async actor {r['bare_actor']:.2f} → "
+              f"{r['worker_actor'] - r['bare_actor']:.2f} above the floor), aggregator {r['aggregator']:.2f}, follower "
+              f"{r['follower']:.2f}; metrics plane total {plane:.1f} ({plane - (k + 2) * r['bare_actor']:.1f} above "
+              f"{k + 2} actor floors); RSS MB: WorkerActor {r['worker_rss_mb']:.0f} (max {r['worker_rss_max_mb']:.0f}), "
+              f"bare actor {r['bare_rss_mb']:.0f}; liveness probes {r['probes_s']:.2f}/s in all", flush=True)
+        if ns.frame_hz:
+            print(f"  freshness (SGLang frame sent → value in the follower's workers) p50 / p99 "
+                  f"{r['p50']:.1f} / {r['p99']:.1f} ms over {r['samples']} values; the router's view age "
+                  f"(now − sent of the value it holds, every ms) p50 / p99 {r['view_p50']:.1f} / {r['view_p99']:.1f}, "
+                  f"mean {r['view_mean']:.1f} ms; follower deltas {r['deltas_s']:.1f}/s", flush=True)
+        for who, split in r["threads"].items():
+            print(f"  {who} threads, % of one core: " + ", ".join(f"{k} {v:.2f}" for k, v in split.items()),
+                  flush=True)
         ray.shutdown()
         return 0
     print(HEADER, flush=True)
     try:
         for n in ns.workers:
             for hz in ns.hz:
-                run_cell(n, hz, ns.seconds, ns.emulators, sorted(ns.followers), ns.change_every, ns.per_host,
-                         {**({"coalesce_s": ns.coalesce_s} if ns.coalesce_s else {}),
-                          **({"fleet_window_s": ns.fleet_window_s} if ns.fleet_window_s else {})} or None)
+                run_cell(n, hz, ns.seconds, ns.emulators, sorted(ns.followers), ns.change_every,
+                         {"coalesce_s": ns.coalesce_s} if ns.coalesce_s else None)
     finally:
         ray.shutdown()
     print(f"\nload average at end {os.getloadavg()[0]:.2f}")

@@ -55,7 +55,7 @@ def find_processes(runner: Any) -> dict[str, int]:
     router replica(s), the Serve proxy and controller (Ray's state API by actor class, then psutil
     for the sim children of each worker actor)."""
     import psutil
-    from actors.aggregator import AGGREGATOR_NAME, NAMESPACE
+    from actors.aggregator.actor import AGGREGATOR_NAME, NAMESPACE
 
     import ray
 

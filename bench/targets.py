@@ -249,7 +249,7 @@ class PrefixIngress:
 
 
 def free_port() -> int:
-    from actors.launcher import free_port as fp  # outside the ephemeral range (see there)
+    from actors.worker.launcher import free_port as fp  # outside the ephemeral range (see there)
 
     return fp()
 

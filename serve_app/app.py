@@ -19,7 +19,7 @@ import ray
 from ray import serve
 
 from actors import admin
-from actors.aggregator import get_or_create_aggregator
+from actors.aggregator.actor import get_or_create_aggregator
 from actors.fleet import FleetError, parse_fleet
 from actors.models import NAMESPACE, Settings
 from serve_app import guards

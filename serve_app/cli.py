@@ -56,8 +56,8 @@ class FleetRunner:
         import ray
         from ray import serve
 
-        from actors.aggregator import get_or_create_aggregator
-        from actors.metrics_host import start_worker
+        from actors.aggregator.actor import get_or_create_aggregator
+        from actors.worker.actor import start_worker
         from serve_app.app import build_app
 
         secrets_via_env = not self.address
@@ -85,7 +85,7 @@ class FleetRunner:
         for spec in workers:
             try:
                 self.actors[spec.name] = start_worker(spec, settings)
-            except Exception as exc:  # its resources cannot be reserved (ReservationError), a bad endpoint
+            except Exception as exc:  # a bad endpoint, resources no node has
                 raise FleetError(_explain(exc)) from None
         for name, actor in self.actors.items():
             try:
@@ -109,8 +109,8 @@ class FleetRunner:
         import ray
         from ray import serve
 
-        from actors.aggregator import kill_aggregator
-        from actors.metrics_host import stop_workers
+        from actors.aggregator.actor import kill_aggregator
+        from actors.worker.actor import stop_workers
 
         if not ray.is_initialized():
             return
@@ -125,7 +125,7 @@ class FleetRunner:
                 ray.kill(a, no_restart=True)
             except Exception:
                 pass
-        stop_workers()  # and any worker added at run time (fleet add: detached actors), and the metrics hosts
+        stop_workers()  # and any worker added at run time (fleet add: detached actors)
         self.progress("stopping the router …")
         try:
             serve.delete(APP_NAME)
@@ -320,8 +320,8 @@ def cmd_down(ns: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from actors.aggregator import kill_aggregator
-    from actors.metrics_host import stop_workers
+    from actors.aggregator.actor import kill_aggregator
+    from actors.worker.actor import stop_workers
 
     ray.init(address=ns.address, namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
     try:

@@ -20,8 +20,8 @@ from actors.models import sum_ranks
 from actors.protocol import (
     MAX_DELTA_FRAME_BYTES, FleetDelta, KvEventsStatus, ManagedEngine, ProtocolError, decode_delta,
 )
-from actors.readable import SocketWatch
-from actors.retry import Backoff, reconnecting
+from actors.transport.readable import SocketWatch
+from actors.transport.retry import Backoff, reconnecting
 
 logger = logging.getLogger("kvroute.follower")
 
@@ -176,9 +176,12 @@ class FleetFollower:
             rec.ranks = ranks
             rec.metrics = dict(ranks[0]) if len(ranks) == 1 else sum_ranks(ranks)
             rec.metrics_at = now - u.metrics_age_s
+            rec.heartbeat_at = max(rec.heartbeat_at, rec.metrics_at)  # the report that brought them
             rec.rank_at = _rank_times(u.ranks, rec.metrics_at)
             rec.updated_at = wall
             changed.append(u.name)
+        if delta.heard:
+            self.heard(delta.heard, fresh, now)
         if delta.names is not None:
             names = set(delta.names)
             for gone in [n for n in fresh if n not in names and n not in carried]:
@@ -192,6 +195,16 @@ class FleetFollower:
         self.epoch = delta.epoch
         self.version = delta.version
         return changed
+
+    def heard(self, names: list[str], workers: dict[str, WorkerRecord] | None = None, now: float | None = None) -> None:
+        """Workers whose heartbeat alone arrived (`FleetDelta.heard`): no new version, a fresher
+        `heartbeat_at` (what /workers shows as `heartbeat_age_s`)."""
+        workers = self.workers if workers is None else workers
+        now = time.monotonic() if now is None else now
+        for name in names:
+            rec = workers.get(name)
+            if rec is not None:
+                rec.heartbeat_at = now
 
     def expire_carried(self, now: float | None = None) -> list[str]:
         """Drop the workers carried over a restart whose grace ended without a delta naming them."""
@@ -248,7 +261,7 @@ class FleetFollower:
             try:
                 for _ in range(_DRAIN_BATCH):
                     # EVENTS before each receive, not receive until zmq.Again: no exception raised
-                    # and caught per delta (actors.metrics_pipe.drain_frames says why it matters)
+                    # and caught per delta (actors.worker.metrics_pipe.drain_frames says why it matters)
                     if not raw.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                         more = False
                         break
@@ -272,8 +285,10 @@ class FleetFollower:
                         self.restarts_followed += 1
                     elif d.prev_version > self.version:
                         raise _Resync()  # we missed a delta
-                    elif d.version <= self.version:
-                        continue  # a keep-alive, or already in our snapshot
+                    elif d.version <= self.version:  # a keep-alive, or already in our snapshot
+                        if d.heard:
+                            self.heard(d.heard)
+                        continue
                     changed += self.apply(d)
                     self.updates += 1
             except _Resync:

@@ -8,7 +8,7 @@ import logging
 from typing import Any, Awaitable, Callable
 
 from actors.protocol import KvLogAnswer
-from actors.retry import Backoff, reconnecting
+from actors.transport.retry import Backoff, reconnecting
 from serve_app.prefix_index import KvEventIndex
 
 logger = logging.getLogger("kvroute.kv_follower")

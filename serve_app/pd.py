@@ -26,17 +26,17 @@ import logging
 import random
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator, Protocol
 from urllib.parse import urlsplit
 
 from serve_app.dp_ranks import RANK_HEADER, pd_headers, pd_rank_fields, with_rank_fields
 from serve_app.http import HttpError, Request, Send, no_worker, send_body, send_stream
 from serve_app.policies import Decision, NoWorkerAvailable, RouteRequest
-from serve_app.proxy import UPSTREAM_ERRORS, Upstream, UpstreamError, forward_headers, sse_error_event
+from serve_app.proxy import UPSTREAM_ERRORS, Upstream, UpstreamClient, UpstreamError, forward_headers, sse_error_event
+from serve_app.breaker import Breakers
+from serve_app.config import RouterConfig
+from serve_app.metrics import RouterMetrics
 from serve_app.router import RequestTicket, RouterCore
-
-if TYPE_CHECKING:
-    from serve_app.forward import Forwarder
 
 logger = logging.getLogger("kvroute.router")
 
@@ -194,10 +194,24 @@ def _sse_error(body: bytes) -> bool:
     return body.startswith(b"data: ") and b'data: {"error"' in body
 
 
+class PdHost(Protocol):
+    """What `PdDispatch` uses of the replica's request path (`serve_app.forward.Forwarder`)."""
+
+    core: RouterCore
+    config: RouterConfig
+    breakers: Breakers
+    metrics: RouterMetrics
+    upstream: UpstreamClient
+
+    def _finished(self, ticket: RequestTicket, t0: float, status: int, policy: str, model: str = "") -> None: ...
+
+    def _failed(self, ticket: RequestTicket, counts_for_breaker: bool) -> None: ...
+
+
 class PdDispatch:
     """Drives prefill/decode pairs for one router replica (a part of `Forwarder`)."""
 
-    def __init__(self, fw: "Forwarder") -> None:
+    def __init__(self, fw: PdHost) -> None:
         self.fw = fw
         self.rng = random.Random()  # rooms must differ across replicas: never the router's seeded rng
         self._background: set[asyncio.Task[None]] = set()

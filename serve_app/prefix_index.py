@@ -6,7 +6,7 @@ Two indexes answer the same question, `overlap(block_hashes) -> {worker: leading
   dispatch; entries expire after `ttl_s` and the least recently used are evicted beyond
   `max_entries`. Works with text-chunk hashes (`serve_app.request_facts`), needs no engine support.
 - `KvEventIndex` (exact): what the engines report caching, fed with SGLang KV events
-  (`actors.kv_events`). Engine block hashes are SHA-256 chains over token ids with a namespace,
+  (`actors.wire.kv_events`). Engine block hashes are SHA-256 chains over token ids with a namespace,
   not something a router should re-derive; instead the index re-hashes the `token_ids` every
   `BlockStored` carries with the router's own `hasher` and keeps engine hash → own hash only to
   follow parents and removals. So exact mode works whenever the router can tokenize prompts like
@@ -33,7 +33,7 @@ from itertools import islice, repeat, takewhile
 from operator import is_
 from typing import Callable, Iterable, Sequence
 
-from actors.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from actors.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from serve_app.policies.overlap import Holders, Overlap
 
 log = logging.getLogger(__name__)
@@ -532,7 +532,7 @@ class KvEventIndex:
     """Exact prefix index from engine KV events, per worker (and attention-DP rank).
 
     Apply each decoded batch with `apply(worker, batch.events, rank=batch.dp_rank)`; on a sequence
-    gap or restart (`actors.kv_events.SeqTracker`) call `clear(worker, rank)` before applying. Blocks
+    gap or restart (`actors.wire.kv_events.SeqTracker`) call `clear(worker, rank)` before applying. Blocks
     of a size other than `block_tokens`, or whose parent is unknown (stored before we listened), are
     skipped and counted: they could never match a prompt hashed by the router.
     """

@@ -3,7 +3,7 @@
 Batched like the metrics: every few push intervals, and only when the counts changed (or a
 heartbeat is due), the counts go over the aggregator's ZeroMQ ingest as worker reports do — no
 Ray call per share. The aggregator publishes them to every follower in its fleet deltas. An
-unreachable aggregator is retried through `actors.retry.reconnecting`; the counts are resent when
+unreachable aggregator is retried through `actors.transport.retry.reconnecting`; the counts are resent when
 it is back.
 
 Sharing at the fast cadence is for replicas that route side by side. Without a peer (the
@@ -24,9 +24,9 @@ import logging
 import time
 from typing import Any, Awaitable, Callable
 
-from actors.link import AggregatorLink
+from actors.transport.link import AggregatorLink
 from actors.models import Settings
-from actors.retry import Backoff, reconnecting
+from actors.transport.retry import Backoff, reconnecting
 from serve_app.router import RouterCore
 
 logger = logging.getLogger("kvroute.router")

@@ -70,7 +70,7 @@ def agg(ray_cluster):
     """kvroute's aggregator actor on the session's Ray (created on demand, as `kvroute serve` does)."""
     import ray
 
-    from actors.aggregator import get_or_create_aggregator
+    from actors.aggregator.actor import get_or_create_aggregator
     from actors.models import Settings
 
     a = get_or_create_aggregator(Settings())

@@ -6,7 +6,7 @@ as Ray actors in the replica's placement group, so on its node), it has no HTTP 
 actor could probe, and its lifetime is the replica's. The collector lives and dies with the
 replica: liveness is its heartbeat (a crashed replica is `down` after `Settings.down_after_s`),
 `stop()` deregisters it on a graceful stop. Receive, ingest, coalescing and the push with its
-heartbeat are the worker actor's own pipeline (`actors.metrics_pipe.MetricsPipe` over `bind_pull`'s
+heartbeat are the worker actor's own pipeline (`actors.worker.metrics_pipe.MetricsPipe` over `bind_pull`'s
 PULL, a `MetricsBook` and an `AggregatorLink`); what is the collector's own is the replica's
 registration: its worker name, its `serve://` url and the engine's health in each report — and, in
 exact prefix mode, the name of the replica's KV-log actor (`kv_log_actor`) with that subscription's
@@ -27,12 +27,12 @@ from typing import Any, Callable
 import zmq
 import zmq.asyncio
 
-from actors.aggregator import get_or_create_aggregator
-from actors.endpoint import bind_pull
-from actors.ingest import MetricsBook
-from actors.kv_handshake import shows_prefill
-from actors.link import AggregatorLink
-from actors.metrics_pipe import MetricsPipe
+from actors.aggregator.actor import get_or_create_aggregator
+from actors.worker.endpoint import bind_pull
+from actors.worker.ingest import MetricsBook
+from actors.wire.kv_handshake import shows_prefill
+from actors.transport.link import AggregatorLink
+from actors.worker.metrics_pipe import MetricsPipe
 from actors.models import Settings
 from actors.protocol import KvEventsStatus, RankMetrics, WorkerReport
 

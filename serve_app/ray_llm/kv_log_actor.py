@@ -10,7 +10,7 @@ dies, and the replica kills it on a graceful stop) and names it in its worker re
 loopback port and the engine's PUB connects there: no KV-event batch crosses the replica's request
 loop or a Ray call; the only traffic is the routers' long polls and the collector's one status call
 per heartbeat (`watch`), which brings the KvMetrics evidence the silence watch and the replay
-catch-up need. Everything it runs is `actors.kv_subscriber.KvSubscriber`, the worker actor's code.
+catch-up need. Everything it runs is `actors.worker.kv_subscriber.KvSubscriber`, the worker actor's code.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import ray
 import zmq.asyncio
 
-from actors.kv_subscriber import KvSubscriber
+from actors.worker.kv_subscriber import KvSubscriber
 from actors.models import NAMESPACE, Settings
 from actors.protocol import KvEventsCounters, KvEventsStatus, KvLogAnswer
 

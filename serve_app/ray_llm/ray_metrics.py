@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
-    from actors.ingest import MetricsBook
+    from actors.worker.ingest import MetricsBook
     from serve_app.router import RouterCore
 
 logger = logging.getLogger("kvroute.ray_llm.metrics")

@@ -48,7 +48,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from actors.aggregator import get_or_create_aggregator
+from actors.aggregator.actor import get_or_create_aggregator
 from actors.models import NAMESPACE, Settings
 from serve_app.config import RouterConfig
 from serve_app.follower import FleetFollower

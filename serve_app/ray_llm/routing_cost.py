@@ -32,8 +32,8 @@ def _percentile(xs: list[float], q: float) -> float:
 
 async def _register(names: list[str]) -> Any:
     """Report each replica to the aggregator as a live worker (what KvrouteSGLangServer's collector does)."""
-    from actors.aggregator import get_or_create_aggregator
-    from actors.link import AggregatorLink
+    from actors.aggregator.actor import get_or_create_aggregator
+    from actors.transport.link import AggregatorLink
     from actors.protocol import RankMetrics, WorkerReport
 
     link = AggregatorLink(lambda: asyncio.to_thread(get_or_create_aggregator))

@@ -1,6 +1,6 @@
-"""actors.ingest: latest value per DP rank (DP-attention shares one tcp:// address), blocks, counters."""
+"""actors.worker.ingest: latest value per DP rank (DP-attention shares one tcp:// address), blocks, counters."""
 
-from actors.ingest import MetricsBook
+from actors.worker.ingest import MetricsBook
 from sim.sglang_shapes import encode_kv_metrics
 
 BASE = dict(request_active_slots=1, request_total_slots=8, kv_active_blocks=100, kv_total_blocks=1600,

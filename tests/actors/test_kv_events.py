@@ -1,4 +1,4 @@
-"""actors.kv_events: both SGLang KV-event encodings decode; gaps are seen; garbage is refused.
+"""actors.wire.kv_events: both SGLang KV-event encodings decode; gaps are seen; garbage is refused.
 
 The frames are built with msgspec Structs declared exactly like SGLang's own (0.4.9/0.5.12: tagged
 arrays; 0.5.23: tagged maps), encoded by the same `msgspec.msgpack.Encoder` the publisher uses.
@@ -12,7 +12,7 @@ from typing import Any, Optional, Union
 import msgspec
 import pytest
 
-from actors.kv_events import (
+from actors.wire.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

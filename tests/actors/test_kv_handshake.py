@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from actors.fleet import FleetError, parse_fleet
-from actors.kv_events import KvEventError, REPLAY_END_SEQ, replay_reply
-from actors.kv_handshake import HandshakeError, SilenceWatch, plan_subscription, publisher_binds, shows_prefill
+from actors.wire.kv_events import KvEventError, REPLAY_END_SEQ, replay_reply
+from actors.wire.kv_handshake import HandshakeError, SilenceWatch, plan_subscription, publisher_binds, shows_prefill
 
 END = REPLAY_END_SEQ.to_bytes(8, "big")
 

@@ -9,8 +9,8 @@ import time
 import pytest
 import zmq
 
-from actors.kv_subscriber import _bind_ranks
-from actors.launcher import free_port
+from actors.worker.kv_subscriber import _bind_ranks
+from actors.worker.launcher import free_port
 
 
 class ScriptedBase:

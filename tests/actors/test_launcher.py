@@ -1,7 +1,7 @@
-"""A managed engine under its keeper (`actors.launcher.ManagedProcess`, `actors.keeper`), with real
+"""A managed engine as its worker actor's child (`actors.worker.launcher.ManagedProcess`), with real
 simulated SGLang engine processes and real owner processes killed with SIGKILL: launched and healthy,
-restarted when it dies, stopped with its worker, adopted by a restarted owner within the grace, and
-stopped when no owner comes back."""
+restarted when it dies, stopped with its worker, gone with an owner that dies (no orphan), and started
+with the fleet entry's environment and Python."""
 
 from __future__ import annotations
 
@@ -13,11 +13,10 @@ import subprocess
 import sys
 import time
 
-import httpx
 import pytest
 
 from actors.fleet import WorkerSpec
-from actors.launcher import LaunchError, ManagedProcess
+from actors.worker.launcher import LaunchError, ManagedProcess
 
 SPEC = {"engine": "sim", "engine_args": {"time_scale": 0.25}}
 
@@ -48,18 +47,14 @@ def _proc(tmp_path, name: str, **kw) -> ManagedProcess:
     return ManagedProcess(WorkerSpec(name=name, **SPEC), metrics_endpoint=f"ipc://{tmp_path}/{name}.metrics", **kw)
 
 
-def test_an_engine_runs_under_its_keeper_is_restarted_when_it_dies_and_stopped_with_its_worker(tmp_path):
+def test_an_engine_is_its_owners_child_is_restarted_when_it_dies_and_stopped_with_its_worker(tmp_path):
     async def run():
         p = _proc(tmp_path, "kp-a")
         await p.start()
         await p.wait_healthy()
         first = p.status.pid
         assert p.alive and _alive(first) and p.status.state == "running"
-        keeper = _ppid(first)  # the engine's parent is its keeper, which is detached: not our child (a Ray
-        # worker kills its children when it exits) — so the engine can outlive its owner
-        with open(f"/proc/{keeper}/cmdline", "rb") as f:
-            assert b"actors.keeper" in f.read()
-        assert keeper != os.getpid() and _ppid(keeper) != os.getpid()
+        assert _ppid(first) == os.getpid()  # no process in between
         os.kill(first, signal.SIGKILL)
         for _ in range(200):
             await asyncio.sleep(0.05)
@@ -90,79 +85,87 @@ def test_an_engine_that_never_becomes_healthy_is_reported(tmp_path):
 OWNER = """
 import asyncio, json, sys
 from actors.fleet import WorkerSpec
-from actors.launcher import ManagedProcess
+from actors.worker.launcher import ManagedProcess
 async def main():
     p = ManagedProcess(WorkerSpec(name=sys.argv[1], engine="sim", engine_args={"time_scale": 0.25}),
-                       metrics_endpoint=sys.argv[2], orphan_grace_s=float(sys.argv[3]))
+                       metrics_endpoint=sys.argv[2])
     await p.start()
     await p.wait_healthy()
-    print(json.dumps({"control": p.control, "port": p.port, "pid": p.status.pid}), flush=True)
+    print(json.dumps({"port": p.port, "pid": p.status.pid}), flush=True)
     await asyncio.sleep(3600)
 asyncio.run(main())
 """
 
 
-def _owner(tmp_path, name: str, grace_s: float) -> tuple[subprocess.Popen, dict]:
-    owner = subprocess.Popen([sys.executable, "-c", OWNER, name, f"ipc://{tmp_path}/{name}.metrics", str(grace_s)],
+def test_an_engine_dies_with_an_owner_that_is_killed_so_a_restarted_actor_meets_no_orphan(tmp_path):
+    """SIGKILL of the owner (a crashed worker actor: nothing runs in it) takes its engine with it, and its
+    port is free again for the engine the restarted actor launches."""
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, "kp-orphan", f"ipc://{tmp_path}/kp-orphan.metrics"],
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     line = owner.stdout.readline()
     assert line, "the owner process printed nothing"
-    return owner, json.loads(line)
-
-
-def test_a_restarted_owner_adopts_the_engine_its_previous_incarnation_launched(tmp_path):
-    owner, rec = _owner(tmp_path, "kp-adopt", grace_s=30)
-    owner.kill()  # the owner's actor dies (SIGKILL: nothing runs in it)
-    owner.wait()
-    time.sleep(0.5)
-    assert _alive(rec["pid"]), "the engine died with its owner despite the grace"
-
-    async def run():
-        p = _proc(tmp_path, "kp-adopt", port=rec["port"], control=rec["control"])
-        await p.start()
-        await p.wait_healthy()
-        assert p.adopted and p.status.pid == rec["pid"] and p.status.state == "running"
-        assert httpx.get(f"{p.url}/health", timeout=5).status_code == 200
-        await p.stop()
-
-    asyncio.run(run())
-    _wait(lambda: not _alive(rec["pid"]), 10, "the adopted engine stopped by its new owner")
-    assert not os.path.exists(rec["control"])
-
-
-def test_an_engine_nobody_adopts_is_stopped_after_the_grace(tmp_path):
-    owner, rec = _owner(tmp_path, "kp-orphan", grace_s=1.0)
+    rec = json.loads(line)
+    assert _alive(rec["pid"])
     owner.kill()
     owner.wait()
-    killed = time.monotonic()
-    _wait(lambda: not _alive(rec["pid"]), 10, "the orphaned engine stopped")
-    assert time.monotonic() - killed >= 0.9  # not before the grace
+    _wait(lambda: not _alive(rec["pid"]), 5, "the dead owner's engine gone")
 
-    async def run():  # its keeper is gone too: a late owner launches a new engine instead
-        p = _proc(tmp_path, "kp-orphan", control=rec["control"])
+    async def run():
+        p = _proc(tmp_path, "kp-orphan", port=rec["port"])
         await p.start()
-        await p.wait_healthy()
-        assert not p.adopted and p.status.pid != rec["pid"]
+        await p.wait_healthy()  # the same port: nothing held it
+        assert p.status.pid != rec["pid"]
         await p.stop()
 
     asyncio.run(run())
 
 
-def test_the_keepers_socket_is_private_and_takes_no_commands_but_stop(tmp_path):
-    owner, rec = _owner(tmp_path, "kp-sock", grace_s=0)
-    try:
-        assert os.stat(os.path.dirname(rec["control"])).st_mode & 0o777 == 0o700
-        assert os.stat(rec["control"]).st_mode & 0o777 == 0o600
-        import socket
+def test_the_fleet_entrys_env_reaches_the_engine(tmp_path):
+    spec = WorkerSpec(name="kp-env", engine="sim", engine_args={"time_scale": 0.25},
+                      env={"OMP_NUM_THREADS": "1"})
 
-        s = socket.socket(socket.AF_UNIX)
-        s.connect(rec["control"])
-        assert json.loads(s.makefile().readline())["pid"] == rec["pid"]
-        s.sendall(b"__import__('os').system('touch /tmp/kvroute-pwned')\nrestart\n\x00\xff\n")
-        time.sleep(0.3)
-        assert _alive(rec["pid"]) and not os.path.exists("/tmp/kvroute-pwned")
-        s.close()
-    finally:
-        owner.kill()
-        owner.wait()
-    _wait(lambda: not _alive(rec["pid"]), 10, "the engine stopped at once (grace 0) when its owner died")
+    async def run():
+        p = ManagedProcess(spec, metrics_endpoint=f"ipc://{tmp_path}/kp-env.metrics")
+        await p.start()
+        await p.wait_healthy()
+        with open(f"/proc/{p.status.pid}/environ", "rb") as f:
+            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        await p.stop()
+        return env
+
+    env = asyncio.run(run())
+    assert env[b"OMP_NUM_THREADS"] == b"1"
+
+
+def test_an_sglang_entry_runs_in_the_python_it_names_with_kvroutes_source_on_its_path(tmp_path):
+    from actors.worker.launcher import SGLANG_METRICS_ENV, build_command
+
+    spec = WorkerSpec(name="sg", engine="sglang", model="/models/tiny", python="/opt/sglang/bin/python",
+                      env={"SGLANG_USE_CPU_ENGINE": "1"})
+    cmd, extra = build_command(spec, host="127.0.0.1", port=30001, metrics_endpoint="ipc:///tmp/sg.metrics")
+    assert cmd[:3] == ["/opt/sglang/bin/python", "-m", "actors.sglang_launch"]
+    import actors
+
+    root = os.path.dirname(os.path.dirname(actors.__file__))
+    assert extra[SGLANG_METRICS_ENV] == "ipc:///tmp/sg.metrics"
+    assert extra["PYTHONPATH"].split(os.pathsep)[0] == root
+    # without `python`: kvroute's own interpreter, which has kvroute installed (no PYTHONPATH needed)
+    cmd, extra = build_command(spec.model_copy(update={"python": None}), host="127.0.0.1", port=30001,
+                               metrics_endpoint="ipc:///tmp/sg.metrics")
+    assert cmd[0] == sys.executable and "PYTHONPATH" not in extra
+
+
+def test_env_and_python_are_refused_where_kvroute_starts_no_engine_or_would_clobber_its_own():
+    from actors.fleet import FleetError, parse_fleet
+
+    attach = {"name": "a", "url": "http://127.0.0.1:1", "metrics_endpoint": "ipc:///tmp/a.m"}
+    with pytest.raises(FleetError, match="env and python are for managed mode"):
+        parse_fleet({"workers": [{**attach, "env": {"X": "1"}}]})
+    with pytest.raises(FleetError, match="python is for engine: sglang"):
+        parse_fleet({"workers": [{"name": "s", "engine": "sim", "python": "/usr/bin/python3"}]})
+    with pytest.raises(FleetError, match="KVROUTE_METRICS_IPC_NAME: set by kvroute"):
+        parse_fleet({"workers": [{"name": "s", "engine": "sim", "env": {"KVROUTE_METRICS_IPC_NAME": "x"}}]})
+    with pytest.raises(FleetError, match="CUDA_VISIBLE_DEVICES: set by kvroute"):
+        parse_fleet({"workers": [{"name": "s", "engine": "sim", "env": {"CUDA_VISIBLE_DEVICES": "0"}}]})
+    with pytest.raises(FleetError, match="environment variable name"):
+        parse_fleet({"workers": [{"name": "s", "engine": "sim", "env": {"A B": "0"}}]})

@@ -1,4 +1,4 @@
-"""actors.link.AggregatorLink when the aggregator goes away: real ZeroMQ sockets stand where the
+"""actors.transport.link.AggregatorLink when the aggregator goes away: real ZeroMQ sockets stand where the
 aggregator's ingest listens; only its Ray handle (which hands out the address) is a stand-in. No Ray."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from actors.link import AggregatorLink
+from actors.transport.link import AggregatorLink
 from actors.protocol import Endpoints, ReportBatch, WorkerReport, decode_ingest
 from tests.ray_stub import Remote
 

@@ -1,4 +1,4 @@
-"""actors.metrics_pipe.MetricsPipe: SGLang frames from a real PULL into a real MetricsBook, coalesced
+"""actors.worker.metrics_pipe.MetricsPipe: SGLang frames from a real PULL into a real MetricsBook, coalesced
 reports over a real AggregatorLink to a PULL standing where the aggregator's ingest listens (only
 the aggregator's Ray handle, which hands out that address, is a stand-in). No Ray."""
 
@@ -11,9 +11,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from actors.ingest import MetricsBook
-from actors.link import AggregatorLink
-from actors.metrics_pipe import MetricsPipe
+from actors.worker.ingest import MetricsBook
+from actors.transport.link import AggregatorLink
+from actors.worker.metrics_pipe import MetricsPipe
 from actors.models import Settings
 from actors.protocol import Endpoints, RankMetrics, ReportBatch, WorkerReport, decode_ingest
 from sim.sglang_shapes import encode_kv_metrics

@@ -113,13 +113,3 @@ def test_the_slow_worker_fields_travel_named_and_typed():
     back = decode_ingest(encode(ReportBatch(token="t", reports=[r]))).reports[0]
     assert back.managed == ManagedEngine(process="running", pid=4)
     assert back.kv_events_actor == "kvroute-worker-w1" and back.kv_events.handshake[0].kvroute == "connect"
-
-
-def test_a_host_frame_round_trips_and_may_only_report_workers_it_names():
-    from actors.protocol import HostFrame
-
-    r = WorkerReport(name="a", url="http://a", page_size=16, incarnation="i", healthy=True)
-    back = decode_ingest(encode(HostFrame(token="t", host="h", incarnation="i1", workers=["a", "b"], reports=[r])))
-    assert isinstance(back, HostFrame) and back.workers == ["a", "b"] and back.reports == [r]
-    with pytest.raises(ProtocolError, match="does not host"):
-        decode_ingest(encode(HostFrame(token="t", host="h", incarnation="i1", workers=["b"], reports=[r])))

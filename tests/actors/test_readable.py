@@ -1,4 +1,4 @@
-"""actors.readable.SocketWatch: a callback per arrival instead of a future per receive."""
+"""actors.transport.readable.SocketWatch: a callback per arrival instead of a future per receive."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import zmq
 
-from actors.readable import SocketWatch
+from actors.transport.readable import SocketWatch
 
 
 def _pair(ctx: zmq.Context, name: str) -> tuple[zmq.Socket, zmq.Socket]:

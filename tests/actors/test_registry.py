@@ -1,4 +1,4 @@
-"""actors.registry / actors.models: worker states, versions, deltas, DP ranks — without Ray."""
+"""actors.aggregator.registry / actors.models: worker states, versions, deltas, DP ranks — without Ray."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from actors.models import Settings, WorkerState, derive_state, sum_ranks, tokens_to_blocks
 from actors.protocol import RankMetrics, WorkerReport, WorkerUpdate
-from actors.registry import FleetRegistry
+from actors.aggregator.registry import FleetRegistry
 
 S = Settings()
 
@@ -176,15 +176,13 @@ def test_a_removed_workers_late_frames_do_not_bring_it_back_but_a_new_incarnatio
     assert reg.remove("a")
     assert not reg.report(batch("a", ranks={0: rank(2)}, inc="first"))
     assert reg.names() == [] and reg.late_reports == 1
-    assert not reg.host_frame("h", "hi", ["a"], [batch("a", ranks={0: rank(3)}, inc="first")])
-    assert reg.names() == [] and reg.late_reports == 2
     assert reg.report(batch("a", ranks={0: rank(1)}, inc="second"))  # added again: a new actor
     assert reg.names() == ["a"]
     assert reg.remove("a") and reg.report(batch("a", inc="third"))  # each removal remembers its own
 
 
 def test_removed_incarnations_are_bounded():
-    from actors import registry as r
+    from actors.aggregator import registry as r
 
     reg = FleetRegistry(S, clock=Clock())
     for i in range(r.MAX_REMOVED + 10):
@@ -239,7 +237,7 @@ def test_tick_turns_a_live_worker_idle_exactly_after_idle_after_s():
 
 
 def test_the_aggregator_publishes_a_large_fleet_every_window_and_coalesces_a_small_one():
-    from actors.registry import publish_wait_s
+    from actors.aggregator.registry import publish_wait_s
 
     s = Settings(publish_interval_s=0.01, coalesce_s=0.05)
     # 1,000 workers × 10 Hz: ~100 frames per 10 ms window → every window (freshness kept)
@@ -254,110 +252,21 @@ def test_the_aggregator_publishes_a_large_fleet_every_window_and_coalesces_a_sma
     assert publish_wait_s(s, drained=2000, elapsed_s=0.05, changed=False) == 0.05
 
 
-# --- node hosting: a metrics host's frame is the heartbeat of every worker it names ---------------
-
-
-def test_a_host_frame_registers_its_reports_and_its_later_empty_frames_keep_all_its_workers_up():
-    clock = Clock()
-    reg = FleetRegistry(S, clock=clock)
-    assert reg.host_frame("h1", "i1", ["a", "b"], [batch("a"), batch("b")])
-    assert {w.name: w.state for w in workers(reg)} == {"a": "idle", "b": "idle"}
-    for _ in range(10):  # 5 s of heartbeats carrying no report at all
-        clock.t += 0.5
-        reg.host_frame("h1", "i1", ["a", "b"], [])
-        reg.tick()
-    assert {w.name: w.state for w in workers(reg)} == {"a": "idle", "b": "idle"}
-    assert all(w.heartbeat_age_s == 0.0 for w in workers(reg))
-    assert reg.hosts() == 1
-
-
-def test_a_silent_host_takes_all_its_workers_down_after_down_after_s_and_they_return_with_it():
-    clock = Clock()
-    reg = FleetRegistry(S, clock=clock)
-    reg.host_frame("h1", "i1", ["a", "b"], [batch("a"), batch("b")])
-    reg.report(batch("solo"))  # a worker with its own actor, reporting on its own
-    reg.take_delta()
-    clock.t += S.down_after_s + 0.1
-    reg.report(batch("solo"))
-    assert reg.tick()
-    states = {w.name: w.state for w in workers(reg)}
-    assert states == {"a": "down", "b": "down", "solo": "idle"}
-    delta = reg.take_delta()
-    assert {w.name for w in delta.workers} >= {"a", "b"}
-    clock.t += 0.5
-    assert reg.host_frame("h1", "i1", ["a", "b"], [])  # the host is back: a heartbeat alone revives them
-    assert {w.name: w.state for w in workers(reg)}["a"] == "idle"
-
-
-def test_a_worker_the_host_stops_naming_is_no_longer_vouched_for_and_goes_down():
-    clock = Clock()
-    reg = FleetRegistry(S, clock=clock)
-    reg.host_frame("h1", "i1", ["a", "b"], [batch("a"), batch("b")])
-    for _ in range(6):
-        clock.t += 0.5
-        reg.host_frame("h1", "i1", ["a"], [])
-        reg.tick()
-    assert {w.name: w.state for w in workers(reg)} == {"a": "idle", "b": "down"}
-
-
-def test_a_hosted_workers_own_health_failure_is_reported_per_worker():
-    clock = Clock()
-    reg = FleetRegistry(S, clock=clock)
-    reg.host_frame("h1", "i1", ["a", "b"], [batch("a"), batch("b")])
-    reg.host_frame("h1", "i1", ["a", "b"], [batch("b", healthy=False)])
-    assert {w.name: w.state for w in workers(reg)} == {"a": "idle", "b": "down"}
-
-
-def test_a_host_heartbeat_costs_no_per_worker_work_in_tick():
-    """O(hosts) liveness: with 5,000 hosted workers, heartbeats and ticks never re-derive a worker
-    until their host goes quiet (counted through the registry's re-derivation)."""
-    clock = Clock()
-    reg = FleetRegistry(S, clock=clock)
-    names = [f"w{i}" for i in range(5000)]
-    reg.host_frame("h1", "i1", names, [batch(n) for n in names])
-    calls = 0
-    original = reg._rederive
-
-    def counting(w, now):
-        nonlocal calls
-        calls += 1
-        return original(w, now)
-
-    reg._rederive = counting
-    for _ in range(20):
-        clock.t += 0.1
-        reg.host_frame("h1", "i1", names, [])
-        reg.tick()
-    assert calls == 0
-    clock.t += S.down_after_s + 0.1
-    reg.tick()
-    assert calls == 5000 and all(w.state == "down" for w in workers(reg))
-
-
-def test_next_due_is_the_earliest_threshold_a_tick_can_cross_workers_hosts_or_shares():
+def test_next_due_is_the_earliest_threshold_a_tick_can_cross_a_worker_or_a_share():
     clock = Clock()
     reg = FleetRegistry(S, clock=clock)
     assert reg.next_due() == float("inf")  # nothing to watch: the aggregator's loop sleeps to its cap
-    reg.host_frame("h1", "i1", ["a"], [batch("a", ranks={0: rank(1)})])
+    reg.report(batch("a", ranks={0: rank(1)}))
     t0 = clock.t
-    assert reg.next_due() == t0 + S.down_after_s  # the host's heartbeat, before the worker's idle threshold
+    assert reg.next_due() == t0 + S.down_after_s  # its heartbeat, before its idle threshold
     clock.t += 1.0
-    reg.host_frame("h1", "i1", ["a"], [])
-    assert reg.next_due() == t0 + S.idle_after_s  # heartbeat renewed: the metrics' age is next
+    reg.report(batch("a", ranks={0: rank(1)}))  # a heartbeat: the same values again
+    assert reg.next_due() == t0 + S.down_after_s  # never later than the truth: no O(workers) work per report
+    clock.t = t0 + S.down_after_s
+    assert not reg.tick()  # nothing crossed: the heartbeat moved the threshold on
+    assert reg.next_due() == t0 + 1.0 + S.down_after_s  # = its idle threshold too (t0 + 3)
     reg.report_in_flight("r1", {"a": 1})
     assert reg.next_due() == t0 + S.idle_after_s  # a share expires later (2 × down_after_s)
     clock.t = t0 + S.idle_after_s + 0.01
-    reg.tick()  # crosses idle and the host's silence: down; nothing earlier than the share's expiry left
-    assert reg.next_due() == t0 + 1.0 + 2 * S.down_after_s
-
-
-def test_the_aggregators_in_process_host_needs_no_heartbeat_its_workers_follow_their_own_health():
-    clock = Clock()
-    reg = FleetRegistry(S, clock=clock)
-    reg.host_frame("agg", "i1", ["a"], [batch("a")], local=True)
-    assert reg.next_due() == float("inf")
-    clock.t += 10 * S.down_after_s  # no frame since: an ordinary host's workers would be down
-    reg.tick()
-    assert [(w.name, w.state, w.heartbeat_age_s) for w in workers(reg)] == [("a", "idle", 0.0)]
-    reg.host_frame("agg", "i1", ["a"], [batch("a", healthy=False)], local=True)
-    assert [w.state for w in workers(reg)] == ["down"]
+    reg.tick()  # crosses idle and the heartbeat's silence: down; nothing earlier than the share's expiry left
+    assert reg.next_due() == t0 + S.down_after_s + 2 * S.down_after_s

@@ -1,4 +1,4 @@
-"""actors.retry: the one reconnect-with-back-off helper every follower and pusher uses."""
+"""actors.transport.retry: the one reconnect-with-back-off helper every follower and pusher uses."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from actors.retry import Backoff, reconnecting
+from actors.transport.retry import Backoff, reconnecting
 
 
 def test_backoff_doubles_up_to_its_cap_and_reset_starts_over():

@@ -1,4 +1,4 @@
-"""actors.wire: every SGLang release's KvMetrics frame decodes; nothing else does, and nothing runs."""
+"""actors.wire.kv_metrics: every SGLang release's KvMetrics frame decodes; nothing else does, and nothing runs."""
 
 from __future__ import annotations
 
@@ -278,7 +278,7 @@ def test_counts_beyond_int64_are_refused():
 
 import random  # noqa: E402
 
-from actors import wire  # noqa: E402
+from actors.wire import kv_metrics as wire  # noqa: E402
 
 PICKLE_FORMS = [f for f in WIRE_FORMS if WIRE_FORMS[f][2] is not None]
 INT_FIELDS = [f for f in KV_METRICS_FIELDS if not f.startswith("gpu_")]

@@ -21,7 +21,6 @@ from bench.cpu import CpuMeter, family, router_side_cpu_s
     ("ray::ServeController.listen_for_change", "serve controller"),
     ("ray::Aggregator", "metrics plane"),
     ("ray::WorkerActor.run", "metrics plane"),
-    ("ray::MetricsHost", "metrics plane"),
     ("/venv/bin/python -m sim --host 127.0.0.1 --port 5", "engines"),
     ("sglang::router", "peer router"),
     ("/venv/bin/python -m sglang_router.launch_router --worker-urls", "peer router"),

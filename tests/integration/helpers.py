@@ -11,11 +11,14 @@ from typing import Callable
 
 
 class HealthServer:
-    """A stand-in worker HTTP surface for metrics-plane tests: `/health` answers 200 or 503."""
+    """A stand-in worker HTTP surface for metrics-plane tests: `/health` (the confirmation) and
+    `/v1/models` (the liveness probe) answer 200 — `/v1/models` listing model "m" — or 503 once
+    `healthy` is False."""
 
     def __init__(self) -> None:
         self.healthy = True
-        self.probes = 0  # /health requests answered
+        self.probes = 0  # liveness probes (/v1/models) answered
+        self.confirmations = 0  # /health requests answered
         self._conns: set = set()
         self._closed = False
         outer = self
@@ -28,12 +31,17 @@ class HealthServer:
                 outer._conns.add(self.connection)
 
             def do_GET(self):  # noqa: N802
+                body = b""
                 if self.path == "/health":
+                    outer.confirmations += 1
+                elif self.path == "/v1/models":
                     outer.probes += 1
-                code = 200 if (self.path == "/health" and outer.healthy) else 503
-                self.send_response(code)
-                self.send_header("content-length", "0")
+                    body = b'{"object": "list", "data": [{"id": "m", "object": "model"}]}'
+                known = self.path in ("/health", "/v1/models")
+                self.send_response(200 if known and outer.healthy else 503 if known else 404)
+                self.send_header("content-length", str(len(body)))
                 self.end_headers()
+                self.wfile.write(body)
 
             def log_message(self, *args):
                 pass
@@ -128,9 +136,9 @@ def pd_pair_app(tag: str, serve_port: int, tmp, dp_size: int = 1):
     import ray
     from ray import serve
 
-    from actors.aggregator import get_or_create_aggregator
+    from actors.aggregator.actor import get_or_create_aggregator
     from actors.fleet import parse_fleet
-    from actors.worker_actor import start_worker_actor
+    from actors.worker.actor import start_worker
     from serve_app.app import build_app
     from sim.launch import free_port
 
@@ -142,7 +150,7 @@ def pd_pair_app(tag: str, serve_port: int, tmp, dp_size: int = 1):
          "metrics_endpoint": f"ipc://{tmp}/p.metrics", **sim},
         {"name": f"{tag}-decode", "role": "decode", "metrics_endpoint": f"ipc://{tmp}/d.metrics", **sim},
     ]})
-    actors = {w.name: start_worker_actor(w, fleet.settings, name_prefix=f"{tag}-") for w in fleet.workers}
+    actors = {w.name: start_worker(w, fleet.settings, name_prefix=f"{tag}-") for w in fleet.workers}
     ray.get([a.ready.remote() for a in actors.values()], timeout=120)
     serve.run(build_app({"fleet": fleet.model_dump(mode="json"), "router": {"policy": "kv_aware"}}),
               name=tag, route_prefix=f"/{tag}")

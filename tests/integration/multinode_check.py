@@ -16,10 +16,10 @@ from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.state import list_actors  # noqa: E402
 
-from actors.aggregator import AGGREGATOR_NAME, get_or_create_aggregator  # noqa: E402
+from actors.aggregator.actor import AGGREGATOR_NAME, get_or_create_aggregator  # noqa: E402
 from actors.models import NAMESPACE  # noqa: E402
 from actors.fleet import parse_fleet  # noqa: E402
-from actors.metrics_host import start_worker  # noqa: E402
+from actors.worker.actor import start_worker  # noqa: E402
 from serve_app.app import build_app  # noqa: E402
 from serve_app.ray_env import apply_serve_env  # noqa: E402
 
@@ -56,9 +56,7 @@ def main() -> None:
         head_id = ray.get_runtime_context().get_node_id()
         out["nodes"] = {"head": head_id, "a": gpu_a.node_id, "b": gpu_b.node_id}
         fleet = parse_fleet({
-            # engines outlive a dead host only briefly here (nodes of one machine: their keepers stay)
-            "settings": {"aggregator_resources": {"kvroute_head": 1}, "engine_adopt_grace_s": 5,
-                         "orphan_sweep_s": 1},
+            "settings": {"aggregator_resources": {"kvroute_head": 1}},
             "workers": [{"name": "gpu", "engine": "sim", "replicas": 2, "host": "127.0.0.1", "page_size": 16,
                          "num_gpus": 1, "resources": {"sglang_slot": 1},
                          "engine_args": {"time_scale": 0.2}}],
@@ -66,20 +64,17 @@ def main() -> None:
         agg = get_or_create_aggregator(fleet.settings)
         ray.get(agg.ping.remote())
         serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "HeadOnly"})
-        # kvroute serve's path: each worker's GPU held by a placement group that places it, its engine
-        # owned by that node's metrics host
+        # kvroute serve's path: each worker's actor holds its GPU (Ray places it and sets
+        # CUDA_VISIBLE_DEVICES) and owns its engine
         actors = {w.name: start_worker(w, fleet.settings) for w in fleet.expanded()}
         infos = {n: ray.get(a.ready.remote(), timeout=120) for n, a in actors.items()}
         out["workers"] = {n: {"node": i.node_id, "endpoint": i.metrics_endpoint, "env": _gpu_env(i.managed.pid)}
                           for n, i in infos.items()}
-        out["groups"] = sorted(g["name"] for g in ray.util.placement_group_table().values()
-                               if g["state"] == "CREATED" and g["name"].startswith("kvroute-engine-"))
         serve.run(build_app({"fleet": fleet.model_dump(mode="json"), "manage_fleet": False,
                              "replica_resources": {"kvroute_head": 1}}), name="mn", route_prefix="/")
         actors_state = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
         out["aggregator_node"] = next(a.node_id for a in actors_state if a.name == AGGREGATOR_NAME)
-        out["worker_actors"] = sorted(a.name for a in actors_state if a.class_name == "WorkerActor")
-        out["host_nodes"] = sorted(a.node_id for a in actors_state if a.class_name == "MetricsHost")
+        out["worker_actors"] = sorted((a.name, a.node_id) for a in actors_state if a.class_name == "WorkerActor")
         out["router_nodes"] = sorted({a.node_id for a in actors_state if "KvRouter" in (a.class_name or "") or
                                       (a.name or "").startswith("SERVE_REPLICA::mn#KvRouter")})
         c = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
@@ -99,16 +94,16 @@ def main() -> None:
         out["after"] = {"codes": [r.status_code for r in after],
                         "workers": sorted({r.headers.get("x-kvroute-worker") for r in after})}
         out["victim"] = victim
-        # a new GPU node: Ray reschedules the dead node's placement group there, and the aggregator's
-        # orphan sweep hosts the worker again on it (what Ray's restart of a worker actor used to do)
+        # a new GPU node: Ray restarts the dead node's worker actor there (its GPU is what it waited
+        # for), and the restarted actor launches its engine again
         gpu_c = cluster.add_node(num_cpus=2, num_gpus=1, resources={"sglang_slot": 1})
         out["nodes"]["c"] = gpu_c.node_id
         added = time.monotonic()
         wait(lambda: {w["name"]: w for w in c.get("/workers").json()["workers"]}[victim]["state"] != "down", 120,
-             "victim re-hosted")
+             "victim restarted")
         out["rehomed_after_s"] = time.monotonic() - added
-        group = next(g for g in ray.util.placement_group_table().values() if g["name"] == f"kvroute-engine-{victim}")
-        out["rehomed_group_nodes"] = sorted(set(group["bundles_to_node_id"].values()))
+        alive = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+        out["rehomed_actor_nodes"] = sorted(a.node_id for a in alive if a.name == f"kvroute-worker-{victim}")
         again = [c.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": f"r{i} " * 40}]},
                         headers={"x-kvroute-policy": "round_robin"}) for i in range(6)]
         out["rehomed"] = {"codes": [r.status_code for r in again],

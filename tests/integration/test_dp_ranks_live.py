@@ -24,8 +24,8 @@ def env(ray_cluster, serve_port, tmp_path_factory):
     import ray
     from ray import serve
 
-    from actors.aggregator import get_or_create_aggregator
-    from actors.worker_actor import start_worker_actor
+    from actors.aggregator.actor import get_or_create_aggregator
+    from actors.worker.actor import start_worker
     from serve_app.app import build_app
 
     tmp = tmp_path_factory.mktemp("dp-ranks")
@@ -37,7 +37,7 @@ def env(ray_cluster, serve_port, tmp_path_factory):
         {"name": "dp-a0", "url": attached.url, "metrics_endpoint": attached.config.metrics_endpoint,
          "page_size": 16, "dp_size": 2, "served_model_names": ["m"]},
     ]})
-    actors = {w.name: start_worker_actor(w, fleet.settings, name_prefix="dp-") for w in fleet.workers}
+    actors = {w.name: start_worker(w, fleet.settings, name_prefix="dp-") for w in fleet.workers}
     ray.get([a.ready.remote() for a in actors.values()], timeout=120)
     serve.run(build_app({"fleet": fleet.model_dump(mode="json"), "router": {"policy": "kv_aware", "seed": 3}}),
               name="dp-ranks", route_prefix=PREFIX)
@@ -111,8 +111,8 @@ def exact_env(ray_cluster, serve_port, tmp_path_factory):
     import ray
     from ray import serve
 
-    from actors.aggregator import get_or_create_aggregator
-    from actors.worker_actor import start_worker_actor
+    from actors.aggregator.actor import get_or_create_aggregator
+    from actors.worker.actor import start_worker
     from serve_app.app import build_app
 
     tmp = tmp_path_factory.mktemp("dp-exact")
@@ -120,7 +120,7 @@ def exact_env(ray_cluster, serve_port, tmp_path_factory):
         {"name": "dpx0", "engine": "sim", "page_size": 16, "dp_size": 2, "kv_events_endpoint": "auto",
          "metrics_endpoint": f"ipc://{tmp}/x.metrics", "engine_args": {"time_scale": 0.2, "max_total_num_tokens": 65536}},
     ]})
-    actors = {w.name: start_worker_actor(w, fleet.settings, name_prefix="dpx-") for w in fleet.workers}
+    actors = {w.name: start_worker(w, fleet.settings, name_prefix="dpx-") for w in fleet.workers}
     infos = {n: ray.get(a.ready.remote(), timeout=120) for n, a in actors.items()}
     serve.run(build_app({"fleet": fleet.model_dump(mode="json"), "manage_fleet": False,
                          "router": {"policy": "kv_aware", "tokenizer": "sim", "block_size": 16, "seed": 5}}),

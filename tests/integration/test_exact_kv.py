@@ -14,20 +14,17 @@ PREFIX = "/exact"
 
 
 # the sim's KV-event side follows its --wire release: 0.5.23 sends tagged maps, 0.5.14 tagged arrays, and
-# both CONNECT their PUB to the concrete address kvroute bound (kv_events_endpoint: auto). 0.5.23's
-# workers go through `start_worker` (kvroute serve's path: hosted by the aggregator, which subscribes
-# and serves their KV logs), 0.5.14's get a WorkerActor each (metrics_hosting: worker)
+# both CONNECT their PUB to the concrete address kvroute bound (kv_events_endpoint: auto); each worker's
+# actor subscribes and serves its KV log to the routers
 @pytest.fixture(scope="module", params=["0.5.23", "0.5.14"])
 def env(request, ray_cluster, serve_port, tmp_path_factory):
     import ray
     from ray import serve
 
-    from actors.metrics_host import start_worker
-    from actors.worker_actor import start_worker_actor
+    from actors.worker.actor import start_worker
     from serve_app.app import build_app
 
     wire = request.param
-    hosted = wire == "0.5.23"
     enc = wire.replace(".", "")
     tmp = tmp_path_factory.mktemp(f"exact-{enc}")
     fleet = parse_fleet({"workers": [
@@ -36,8 +33,7 @@ def env(request, ray_cluster, serve_port, tmp_path_factory):
          "engine_args": {"time_scale": 0.2, "wire": wire, "max_total_num_tokens": 65536}}
         for i in range(2)
     ]})
-    actors = {w.name: start_worker(w, fleet.settings) if hosted else
-              start_worker_actor(w, fleet.settings, name_prefix=f"exact-{enc}-") for w in fleet.workers}
+    actors = {w.name: start_worker(w, fleet.settings, name_prefix=f"exact-{enc}-") for w in fleet.workers}
     infos = {n: ray.get(a.ready.remote(), timeout=120) for n, a in actors.items()}
     app = f"exact{enc}"
     serve.run(build_app({"fleet": fleet.model_dump(mode="json"), "manage_fleet": False,
@@ -51,8 +47,7 @@ def env(request, ray_cluster, serve_port, tmp_path_factory):
     serve.delete(app)
     ray.get([a.stop.remote() for a in actors.values()], timeout=30)
     for a in actors.values():
-        if not hosted:
-            ray.kill(a, no_restart=True)
+        ray.kill(a, no_restart=True)
 
 
 def _body(text: str) -> dict:

@@ -27,7 +27,7 @@ def env(ray_cluster, serve_port, tmp_path_factory):
     import ray
     from ray import serve
 
-    from actors.worker_actor import start_worker_actor
+    from actors.worker.actor import start_worker
     from serve_app.app import build_app
 
     tmp = tmp_path_factory.mktemp("faults")
@@ -35,7 +35,7 @@ def env(ray_cluster, serve_port, tmp_path_factory):
         {"name": f"f{i}", "engine": "sim", "page_size": 16, "metrics_endpoint": f"ipc://{tmp}/f{i}.metrics",
          "engine_args": {"time_scale": 0.25, "max_running_requests": 64}} for i in range(N)
     ]})
-    actors = {w.name: start_worker_actor(w, fleet.settings, name_prefix="faults-") for w in fleet.workers}
+    actors = {w.name: start_worker(w, fleet.settings, name_prefix="faults-") for w in fleet.workers}
     ray.get([a.ready.remote() for a in actors.values()], timeout=120)
     serve.run(build_app({"fleet": fleet.model_dump(mode="json"), "manage_fleet": False,
                          "router": {"num_replicas": 2, "upstream_read_timeout_s": 30, "breaker": {"open_s": 2}}}),
@@ -114,7 +114,7 @@ def _workers(c) -> dict[str, dict]:
 def test_kill_the_aggregator_under_load(env):
     import ray
 
-    from actors.aggregator import AGGREGATOR_NAME, NAMESPACE
+    from actors.aggregator.actor import AGGREGATOR_NAME, NAMESPACE
 
     c = env["client"]
     agg = ray.get_actor(AGGREGATOR_NAME, namespace=NAMESPACE)

@@ -16,7 +16,7 @@ API = "api-key-for-tests"
 def client(ray_cluster, serve_port):
     from ray import serve
 
-    from actors.worker_actor import kill_worker_actors
+    from actors.worker.actor import stop_workers
     from serve_app.app import build_app
 
     serve.run(build_app({"fleet": None, "router": {"admin_key": ADMIN, "api_key": API}}), name="admin",
@@ -26,7 +26,7 @@ def client(ray_cluster, serve_port):
     yield c
     c.close()
     serve.delete("admin")
-    kill_worker_actors(names=["added-0"])
+    stop_workers(names=["added-0"])
 
 
 def test_fleet_changes_need_the_admin_key(client):
@@ -66,8 +66,8 @@ def test_add_route_remove_without_restarting_the_router(client, tmp_path):
 def test_an_attach_worker_added_at_run_time_is_hosted_on_its_node_by_the_aggregator(client, tmp_path):
     import ray
 
-    from actors.aggregator import AGGREGATOR_NAME
-    from actors.metrics_host import stop_workers
+    from actors.aggregator.actor import AGGREGATOR_NAME
+    from actors.worker.actor import stop_workers
     from actors.models import NAMESPACE
     from tests.integration.helpers import HealthServer
 

@@ -293,10 +293,10 @@ def live(ray_cluster, tmp_path_factory):
     """One worker actor (attach mode: a HealthServer as its url) bound on an ipc:// PULL."""
     import ray
 
-    from actors.aggregator import get_or_create_aggregator
+    from actors.aggregator.actor import get_or_create_aggregator
     from actors.fleet import WorkerSpec
     from actors.models import Settings
-    from actors.worker_actor import start_worker_actor
+    from actors.worker.actor import start_worker
 
     tmp = tmp_path_factory.mktemp("hostile-frames")
     server = HealthServer()
@@ -304,7 +304,7 @@ def live(ray_cluster, tmp_path_factory):
     settings = Settings()
     agg = get_or_create_aggregator(settings)
     ray.get(agg.ping.remote())
-    actor = start_worker_actor(spec, settings, name_prefix="hostile-frames-")
+    actor = start_worker(spec, settings, name_prefix="hostile-frames-")
     ray.get(actor.ready.remote(), timeout=30)
     yield {"actor": actor, "endpoint": spec.metrics_endpoint, "agg": agg, "name": spec.name, "tmp": tmp}
     ray.get(actor.stop.remote(), timeout=10)
@@ -648,7 +648,7 @@ def router(live, serve_port, tmp_path_factory):
     from ray import serve
 
     from actors.fleet import parse_fleet
-    from actors.worker_actor import start_worker_actor
+    from actors.worker.actor import start_worker
     from serve_app.app import build_app
 
     tmp = tmp_path_factory.mktemp("hostile-frames-router")
@@ -658,7 +658,7 @@ def router(live, serve_port, tmp_path_factory):
         {"name": live["name"], "url": actor_spec.url, "metrics_endpoint": live["endpoint"]},
         {"name": "hostile-clean", "url": server.url, "metrics_endpoint": f"ipc://{tmp}/clean.metrics"},
     ]})
-    clean = start_worker_actor(fleet.workers[1], fleet.settings, name_prefix="hostile-frames-")
+    clean = start_worker(fleet.workers[1], fleet.settings, name_prefix="hostile-frames-")
     ray.get(clean.ready.remote(), timeout=30)
     emit = _push(fleet.workers[1].metrics_endpoint)
     emit.send(encode_kv_metrics("0.5.23", **_valid_values(10)))

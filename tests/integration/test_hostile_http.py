@@ -44,8 +44,8 @@ def env(ray_cluster, serve_port, tmp_path_factory):
     import ray
     from ray import serve
 
-    from actors.aggregator import get_or_create_aggregator
-    from actors.worker_actor import start_worker_actor
+    from actors.aggregator.actor import get_or_create_aggregator
+    from actors.worker.actor import start_worker
     from serve_app.app import build_app
 
     tmp = tmp_path_factory.mktemp("hostile-http")
@@ -60,7 +60,7 @@ def env(ray_cluster, serve_port, tmp_path_factory):
     ]})
     agg = get_or_create_aggregator(fleet.settings)
     ray.get(agg.ping.remote())
-    actors = [start_worker_actor(w, fleet.settings, name_prefix="hostile-http-") for w in fleet.workers]
+    actors = [start_worker(w, fleet.settings, name_prefix="hostile-http-") for w in fleet.workers]
     ray.get([a.ready.remote() for a in actors], timeout=30)
     serve.run(
         build_app({"fleet": fleet.model_dump(mode="json"),
@@ -392,7 +392,7 @@ def test_the_api_key_is_not_forwarded_to_the_workers(env, serve_port):
     import ray
     from ray import serve
 
-    from actors.worker_actor import start_worker_actor
+    from actors.worker.actor import start_worker
     from serve_app.app import build_app
 
     seen: list[dict[str, str]] = []
@@ -424,7 +424,7 @@ def test_the_api_key_is_not_forwarded_to_the_workers(env, serve_port):
     url = f"http://127.0.0.1:{server.server_address[1]}"
     tmp = Path(env["sims"][0].config.metrics_endpoint[len("ipc://"):]).parent
     fleet = parse_fleet({"workers": [{"name": "hh-echo", "url": url, "metrics_endpoint": f"ipc://{tmp}/echo.metrics"}]})
-    actor = start_worker_actor(fleet.workers[0], fleet.settings, name_prefix="hostile-http-")
+    actor = start_worker(fleet.workers[0], fleet.settings, name_prefix="hostile-http-")
     try:
         ray.get(actor.ready.remote(), timeout=30)
         serve.run(build_app({"fleet": fleet.model_dump(mode="json"), "router": {"api_key": API_KEY}}),

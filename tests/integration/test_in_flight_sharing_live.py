@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from actors.link import AggregatorLink
+from actors.transport.link import AggregatorLink
 from actors.models import Settings
 from actors.protocol import WorkerReport
 from serve_app.config import RouterConfig

@@ -29,7 +29,7 @@ def env(ray_cluster, serve_port, tmp_path_factory):
     import ray
     from ray import serve
 
-    from actors.worker_actor import start_worker_actor
+    from actors.worker.actor import start_worker
     from serve_app.app import build_app
 
     tmp = tmp_path_factory.mktemp("handshake")
@@ -51,7 +51,7 @@ def env(ray_cluster, serve_port, tmp_path_factory):
             {"name": "late", "url": sim.url, "page_size": 16, "metrics_endpoint": f"ipc://{tmp}/late.metrics",
              "kv_events_endpoint": f"tcp://*:{kv_port}", "kv_events_replay_endpoint": f"tcp://*:{replay_port}"},
         ]})
-    actors = {w.name: start_worker_actor(w, fleet.settings, name_prefix="hs-") for w in fleet.workers}
+    actors = {w.name: start_worker(w, fleet.settings, name_prefix="hs-") for w in fleet.workers}
     infos = {n: ray.get(a.ready.remote(), timeout=120) for n, a in actors.items()}
     serve.run(build_app({"fleet": fleet.model_dump(mode="json"), "manage_fleet": False,
                          "router": {"policy": "kv_aware", "tokenizer": "sim", "block_size": 16}}),

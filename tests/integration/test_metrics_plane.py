@@ -76,13 +76,11 @@ def test_hostile_frames_at_the_ingest_are_counted_and_never_reach_the_registry(a
 
 class _Fleet(threading.Thread):
     """`n` emulated workers reporting every `period_s` through `AggregatorLink`, the worker actors'
-    own transport (one link for all of them). `per_host` K > 0: node hosting — the workers grouped
-    K to a metrics host, each host a real `HostPipe` (what `MetricsHost` runs) sending batched
-    `HostFrame`s over that link: new values through `changed()`, the host's frames their heartbeat."""
+    own transport (one link for all of them)."""
 
-    def __init__(self, n: int, period_s: float = 0.5, per_host: int = 0) -> None:
+    def __init__(self, n: int, period_s: float = 0.5) -> None:
         super().__init__(daemon=True)
-        self.n, self.period_s, self.per_host = n, period_s, per_host
+        self.n, self.period_s = n, period_s
         self.names = [f"scale-{i:04d}" for i in range(n)]
         self.incarnation = uuid.uuid4().hex[:12]  # this emulator's workers, as a worker actor's own uuid
         self.stop = threading.Event()
@@ -92,14 +90,11 @@ class _Fleet(threading.Thread):
         asyncio.run(self._main())
 
     async def _main(self) -> None:
-        from actors.aggregator import get_or_create_aggregator
-        from actors.link import AggregatorLink
+        from actors.aggregator.actor import get_or_create_aggregator
+        from actors.transport.link import AggregatorLink
         from actors.protocol import RankMetrics, WorkerReport
 
         link = AggregatorLink(lambda: asyncio.to_thread(get_or_create_aggregator), ctx=None, hwm=100_000)
-        if self.per_host:
-            await self._hosted(link)
-            return
         seq = 0
         while not self.stop.is_set():
             seq += 1
@@ -115,75 +110,15 @@ class _Fleet(threading.Thread):
             await asyncio.sleep(max(0.0, self.period_s - (time.monotonic() - t0)))
         link.close()
 
-    async def _hosted(self, link) -> None:
-        from actors.host_pipe import HostPipe
-        from actors.models import Settings
-        from actors.protocol import RankMetrics, WorkerReport
-
-        seq = {name: 0 for name in self.names}
-
-        def report(i: int, name: str) -> WorkerReport:
-            return WorkerReport(name=name, url=f"http://127.0.0.1:9/{name}", page_size=16,
-                                incarnation=self.incarnation, healthy=True,
-                                ranks=[RankMetrics(i % 8, 8, 10, 100, 0, 0.1, 0.0, 0, 0.0, seq[name])])
-
-        pipes = []
-        for h in range(0, self.n, self.per_host):
-            pipe = HostPipe(f"scale-host-{h // self.per_host}", link, Settings())
-            for i in range(h, min(h + self.per_host, self.n)):
-                pipe.add(self.names[i], None, None, lambda i=i, n=self.names[i]: report(i, n))
-            pipe.start()
-            pipes.append(pipe)
-        while not self.stop.is_set():  # every worker changes every period, spread over it
-            t0 = time.monotonic()
-            for k, pipe in enumerate(pipes):
-                for name in pipe.names():
-                    seq[name] += 1
-                    pipe.changed(name)
-                if k % 10 == 9:
-                    await asyncio.sleep(self.period_s / (len(pipes) / 10))
-            self.sent = sum(p.frames for p in pipes)
-            await asyncio.sleep(max(0.0, self.period_s - (time.monotonic() - t0)))
-        for pipe in pipes:
-            pipe.stop()
-        link.close()
-
-
-def test_hostile_host_frames_are_refused_and_a_host_vouches_only_for_workers_it_names(agg):
-    import ray
-
-    from actors.protocol import HostFrame, WorkerReport, encode
-
-    ep = ray.get(agg.endpoints.remote(), timeout=10)
-    before = ray.get(agg.stats.remote(), timeout=10)
-    r = WorkerReport(name="intruder-host", url="http://127.0.0.1:9", page_size=16, incarnation="i", healthy=True)
-    sock = _push(ep.ingest)
-    sock.send(encode(HostFrame(token="not-the-token", host="h", incarnation="i", workers=["intruder-host"],
-                               reports=[r])))
-    sock.send(encode(HostFrame(token=ep.token, host="h", incarnation="i", workers=["someone-else"], reports=[r])))
-    ok = f"honest-host-{uuid.uuid4().hex[:6]}"
-    sock.send(encode(HostFrame(token=ep.token, host="h-ok", incarnation="i", workers=[ok],
-                               reports=[WorkerReport(name=ok, url="http://127.0.0.1:9", page_size=16, incarnation="i",
-                                                     healthy=True)])))
-    wait_for(lambda: ok in ray.get(agg.names.remote(), timeout=10), 10, what="the honest host frame applied")
-    after = ray.get(agg.stats.remote(), timeout=10)
-    sock.close(linger=0)
-    assert after.refused.get("token", 0) - before.refused.get("token", 0) == 1
-    assert after.refused.get("malformed", 0) - before.refused.get("malformed", 0) == 1
-    assert "intruder-host" not in ray.get(agg.names.remote(), timeout=10)
-    assert ray.get(agg.remove.remote(ok), timeout=10)
-
-
-@pytest.mark.parametrize("per_host", [0, 8], ids=["per-worker", "node-hosts"])
-def test_aggregator_restart_under_1000_emulated_workers_all_back_within_2s_no_failed_route(agg, serve_port, per_host):
+def test_aggregator_restart_under_1000_emulated_workers_all_back_within_2s_no_failed_route(agg, serve_port):
     import ray
     from ray import serve
 
-    from actors.aggregator import AGGREGATOR_NAME, NAMESPACE
+    from actors.aggregator.actor import AGGREGATOR_NAME, NAMESPACE
     from serve_app.app import build_app
 
     n = 1000
-    fleet = _Fleet(n, per_host=per_host)
+    fleet = _Fleet(n)
     fleet.start()
     serve.run(build_app({"manage_fleet": False, "router": {"policy": "least_loaded"}}), name="scale",
               route_prefix="/scale")
@@ -235,12 +170,12 @@ def test_a_worker_whose_actor_dies_is_down_within_2s(agg, tmp_path):
     from actors.fleet import WorkerSpec
     from actors.models import Settings
     from actors.protocol import decode_delta
-    from actors.worker_actor import start_worker_actor
+    from actors.worker.actor import start_worker
     from tests.integration.helpers import HealthServer
 
     server = HealthServer()
     spec = WorkerSpec(name="dies-w", url=server.url, metrics_endpoint=f"ipc://{tmp_path}/dies.metrics")
-    actor = start_worker_actor(spec, Settings(), name_prefix="metrics-plane-")
+    actor = start_worker(spec, Settings(), name_prefix="metrics-plane-")
 
     def state() -> str | None:
         snap = decode_delta(ray.get(agg.snapshot.remote(), timeout=10))
@@ -266,8 +201,8 @@ def test_a_link_follows_a_new_aggregator_that_has_a_new_token(agg):
     connection drops, it asks Ray again, and its reports reach the new one."""
     import ray
 
-    from actors.aggregator import get_or_create_aggregator, kill_aggregator
-    from actors.link import AggregatorLink
+    from actors.aggregator.actor import get_or_create_aggregator, kill_aggregator
+    from actors.transport.link import AggregatorLink
     from actors.protocol import WorkerReport
 
     async def main() -> tuple[str, str, float]:
@@ -302,9 +237,9 @@ def test_a_worker_stopped_while_it_reports_stays_removed(ray_cluster, tmp_path):
     remembered removed incarnations (a ghost `down` worker in every router's view)."""
     import ray
 
-    from actors.aggregator import get_or_create_aggregator
+    from actors.aggregator.actor import get_or_create_aggregator
     from actors.fleet import parse_fleet
-    from actors.worker_actor import start_worker_actor
+    from actors.worker.actor import start_worker
     from tests.integration.emitters import Emitter
     from tests.integration.helpers import HealthServer
 
@@ -317,7 +252,7 @@ def test_a_worker_stopped_while_it_reports_stays_removed(ray_cluster, tmp_path):
                                       "page_size": 16} for n in names]})
     try:
         for k, spec in enumerate(fleet.workers):  # one at a time: stopped mid-stream, at a different phase each
-            actor = start_worker_actor(spec, fleet.settings, name_prefix="busy-stop-")
+            actor = start_worker(spec, fleet.settings, name_prefix="busy-stop-")
             actors.append(actor)
             ray.get(actor.ready.remote(), timeout=30)
             em = Emitter(spec.metrics_endpoint)

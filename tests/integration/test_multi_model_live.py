@@ -23,8 +23,8 @@ def env(ray_cluster, serve_port, tmp_path_factory):
     import ray
     from ray import serve
 
-    from actors.aggregator import get_or_create_aggregator
-    from actors.worker_actor import start_worker_actor
+    from actors.aggregator.actor import get_or_create_aggregator
+    from actors.worker.actor import start_worker
     from serve_app.app import build_app
 
     tmp = tmp_path_factory.mktemp("multi-model")
@@ -38,7 +38,7 @@ def env(ray_cluster, serve_port, tmp_path_factory):
         # attach mode, no served_model_names: the worker actor asks its /v1/models
         {"name": "mm-c0", "url": attached.url, "metrics_endpoint": attached.config.metrics_endpoint, "page_size": 16},
     ]})
-    actors = {w.name: start_worker_actor(w, fleet.settings, name_prefix="mm-") for w in fleet.workers}
+    actors = {w.name: start_worker(w, fleet.settings, name_prefix="mm-") for w in fleet.workers}
     ray.get([a.ready.remote() for a in actors.values()], timeout=120)
     serve.run(build_app({"fleet": fleet.model_dump(mode="json"), "router": {"policy": "kv_aware", "seed": 5}}),
               name="multi-model", route_prefix=PREFIX)

@@ -28,12 +28,13 @@ def test_managed_workers_land_on_the_gpu_slot_nodes_one_each(result):
     assert placed == sorted([nodes["a"], nodes["b"]])
 
 
-def test_their_gpus_are_held_by_placement_groups_and_given_to_the_engines(result):
-    # one group per worker holds its GPU (no worker actor); each node's metrics host owns its engine,
-    # which sees the GPU Ray assigned to the group (each node has one: id 0)
-    assert result["groups"] == ["kvroute-engine-gpu-0", "kvroute-engine-gpu-1"]
-    assert result["worker_actors"] == []
-    assert result["host_nodes"] == sorted([result["nodes"]["a"], result["nodes"]["b"]])
+def test_each_worker_has_its_own_actor_holding_its_gpu_which_its_engine_sees(result):
+    # one WorkerActor per worker, on the node Ray placed it for its num_gpus; the engine it owns sees the
+    # GPU Ray assigned to the actor (each node has one: id 0)
+    nodes = result["nodes"]
+    assert result["worker_actors"] == sorted([("kvroute-worker-gpu-0", result["workers"]["gpu-0"]["node"]),
+                                              ("kvroute-worker-gpu-1", result["workers"]["gpu-1"]["node"])])
+    assert sorted(n for _, n in result["worker_actors"]) == sorted([nodes["a"], nodes["b"]])
     assert [w["env"] for w in result["workers"].values()] == ["0", "0"]
 
 
@@ -53,7 +54,7 @@ def test_killing_a_worker_node_marks_its_worker_down_and_routing_continues(resul
     assert result["victim"] not in result["after"]["workers"]
 
 
-def test_a_dead_nodes_managed_worker_is_hosted_again_where_ray_reschedules_its_gpus(result):
-    assert result["rehomed_group_nodes"] == [result["nodes"]["c"]]
+def test_a_dead_nodes_worker_actor_is_restarted_by_ray_where_a_gpu_is_free_and_serves_again(result):
+    assert result["rehomed_actor_nodes"] == [result["nodes"]["c"]]
     assert result["rehomed"]["codes"] == [200] * 6
     assert result["rehomed"]["workers"] == ["gpu-0", "gpu-1"]

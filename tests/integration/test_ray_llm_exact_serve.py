@@ -37,7 +37,7 @@ def _replica_of(body: dict) -> str:
 def _fleet() -> dict:
     import ray
 
-    from actors.aggregator import get_or_create_aggregator
+    from actors.aggregator.actor import get_or_create_aggregator
     from actors.protocol import decode_delta
 
     snap = decode_delta(ray.get(get_or_create_aggregator().snapshot.remote(), timeout=10))

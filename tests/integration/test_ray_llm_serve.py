@@ -39,7 +39,7 @@ def _replica_of(body: dict) -> str:
 def _fleet_names(prefix: str = "serve:") -> dict[str, str]:
     import ray
 
-    from actors.aggregator import get_or_create_aggregator
+    from actors.aggregator.actor import get_or_create_aggregator
     from actors.protocol import decode_delta
 
     snap = decode_delta(ray.get(get_or_create_aggregator().snapshot.remote(), timeout=10))
@@ -114,7 +114,7 @@ def test_a_burst_spreads_over_the_replicas(llm_app):
 
 
 def test_an_aggregator_kill_changes_nothing_clients_see(llm_app):
-    from actors.aggregator import kill_aggregator
+    from actors.aggregator.actor import kill_aggregator
 
     shared = "Aggregator outage context. " + " ".join(f"fact{i}" for i in range(300))
     before = _replica_of(_chat(llm_app, f"{shared} q0", max_tokens=2))

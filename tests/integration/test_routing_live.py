@@ -24,7 +24,7 @@ def env(ray_cluster, serve_port, tmp_path_factory):
     import ray
     from ray import serve
 
-    from actors.worker_actor import start_worker_actor
+    from actors.worker.actor import start_worker
     from serve_app.app import build_app
 
     tmp = tmp_path_factory.mktemp("live")
@@ -34,7 +34,7 @@ def env(ray_cluster, serve_port, tmp_path_factory):
            "engine_args": {"time_scale": 0.2, "max_running_requests": 64}} for i in range(N)],
         {"name": "broken", "url": broken.url, "metrics_endpoint": f"ipc://{tmp}/broken.metrics"},
     ]})
-    actors = {w.name: start_worker_actor(w, fleet.settings, name_prefix="live-") for w in fleet.workers}
+    actors = {w.name: start_worker(w, fleet.settings, name_prefix="live-") for w in fleet.workers}
     ray.get([a.ready.remote() for a in actors.values()], timeout=120)
     serve.run(build_app({"fleet": fleet.model_dump(mode="json"),
                          "router": {"policy": "kv_aware", "seed": 3, "breaker": {"failures_to_open": 2, "open_s": 30}}}),

@@ -27,8 +27,8 @@ def fleet_env(ray_cluster, serve_port, tmp_path_factory):
     import ray
     from ray import serve
 
-    from actors.aggregator import get_or_create_aggregator
-    from actors.worker_actor import start_worker_actor
+    from actors.aggregator.actor import get_or_create_aggregator
+    from actors.worker.actor import start_worker
     from serve_app.app import build_app
 
     tmp = tmp_path_factory.mktemp("ipc")
@@ -43,7 +43,7 @@ def fleet_env(ray_cluster, serve_port, tmp_path_factory):
     )
     agg = get_or_create_aggregator(fleet.settings)
     ray.get(agg.ping.remote())
-    actors = {w.name: start_worker_actor(w, fleet.settings, name_prefix="spine-") for w in fleet.workers}
+    actors = {w.name: start_worker(w, fleet.settings, name_prefix="spine-") for w in fleet.workers}
     ray.get([a.ready.remote() for a in actors.values()])
     emitters = {w.name: Emitter(w.metrics_endpoint, form="0.5.23") for w in fleet.workers}
     serve.run(
@@ -163,7 +163,7 @@ def test_hostile_frames_are_counted_and_refused_while_valid_values_arrive(fleet_
 def test_killing_the_aggregator_loses_no_worker_and_route_keeps_answering(fleet_env):
     import ray
 
-    from actors.aggregator import AGGREGATOR_NAME, NAMESPACE
+    from actors.aggregator.actor import AGGREGATOR_NAME, NAMESPACE
 
     c = fleet_env["client"]
     assert "epoch" in c.get("/workers").json()  # the router answers before the restart

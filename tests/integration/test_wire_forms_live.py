@@ -18,7 +18,7 @@ FORMS = sorted(WIRE_FORMS)
 def managed(ray_cluster, tmp_path_factory):
     import ray
 
-    from actors.worker_actor import start_worker_actor
+    from actors.worker.actor import start_worker
 
     tmp = tmp_path_factory.mktemp("wire")
     fleet = parse_fleet({"workers": [
@@ -26,7 +26,7 @@ def managed(ray_cluster, tmp_path_factory):
          "engine_args": {"wire": form, "time_scale": 0.05, "max_running_requests": 32}}
         for i, form in enumerate(FORMS)
     ]})
-    actors = {w.name: start_worker_actor(w, fleet.settings, name_prefix="wire-") for w in fleet.workers}
+    actors = {w.name: start_worker(w, fleet.settings, name_prefix="wire-") for w in fleet.workers}
     infos = dict(zip(actors, ray.get([a.ready.remote() for a in actors.values()], timeout=120)))
     yield actors, infos
     ray.get([a.stop.remote() for a in actors.values()], timeout=30)

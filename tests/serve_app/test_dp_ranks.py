@@ -11,7 +11,7 @@ import pytest
 
 from actors.fleet import FleetError, parse_fleet
 from actors.models import sum_ranks
-from actors.launcher import build_command
+from actors.worker.launcher import build_command
 from serve_app.config import RouterConfig
 from serve_app.dp_ranks import pinned_body, pinned_headers
 from serve_app.follower import FleetFollower, WorkerRecord
@@ -190,22 +190,3 @@ def test_dp_ranks_on_pd_workers_are_accepted_and_an_old_sim_wire_is_refused():
     with pytest.raises(FleetError, match=r"worker 'd'.*dp_size > 1 with role: decode needs .*0\.5\.14.*0\.4\.9"):
         parse_fleet({"workers": [{"name": "d", "engine": "sim", "dp_size": 2, "role": "decode",
                                   "engine_args": {"wire": "0.4.9"}}]})
-
-
-async def test_a_hosted_worker_reports_its_dp_size_like_a_worker_actor(tmp_path):
-    import httpx
-    import zmq.asyncio
-
-    from actors.fleet import WorkerSpec
-    from actors.hosting import Hosted
-    from actors.models import Settings
-
-    spec = WorkerSpec(name="d0", url="http://127.0.0.1:9", metrics_endpoint=f"ipc://{tmp_path}/d0.metrics", dp_size=3)
-    ctx = zmq.asyncio.Context()
-    async with httpx.AsyncClient() as http:
-        w = Hosted(spec, Settings(), ctx, http, lambda: None)
-        try:
-            assert w.report().dp_size == 3
-        finally:
-            await w.aclose()
-    ctx.term()

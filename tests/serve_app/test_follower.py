@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from actors.models import Settings
 from actors.protocol import RankMetrics, WorkerReport
-from actors.registry import FleetRegistry
+from actors.aggregator.registry import FleetRegistry
 from serve_app.follower import FleetFollower
 from tests.ray_stub import Remote
 
@@ -256,3 +256,31 @@ async def test_a_restarted_aggregators_stream_is_followed_from_its_start_without
         await f.stop()
         pub.close(linger=0)
         ctx.term()
+
+
+def test_heartbeats_that_change_nothing_keep_the_routers_heartbeat_age_fresh():
+    """A live worker's `heartbeat_age_s` in /workers stays below a couple of heartbeats while it serves
+    (its rank updates carry it) and while it idles (the keep-alive names the workers heard), though
+    neither a heartbeat nor a rank update publishes a new whole record."""
+    clock = Clock()
+    reg = FleetRegistry(Settings(), clock=clock)
+    f = FleetFollower(_none)
+    reg.report(report("a"))
+    reg.report(report("b", ranks=0))
+    f.apply(reg.snapshot())
+    reg.take_delta()
+    for _ in range(6):  # 9 s: "a" serves (new ranks), "b" idles (heartbeats, no metrics: SGLang is silent)
+        clock.t += 1.0
+        reg.report(report("a", seq=int(clock.t)))
+        reg.report(report("b", ranks=0))
+        d = reg.take_delta()
+        assert [m.name for m in d.metrics] == ["a"] and d.heard == ["b"] and not d.workers
+        f.apply(d, received_at=clock.t)
+        clock.t += 0.5
+        reg.report(report("b", ranks=0))
+        k = reg.keepalive()
+        assert k.heard == ["b"] and k.version == f.version
+        f.heard(k.heard, now=clock.t)
+    for name in ("a", "b"):
+        assert clock.t - f.workers[name].heartbeat_at <= 0.5, name
+    assert reg.keepalive().heard == []  # each heartbeat is named once

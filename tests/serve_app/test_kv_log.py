@@ -1,7 +1,7 @@
-"""actors.kv_log: followers get increments, or the whole state when they cannot be incremental."""
+"""actors.worker.kv_log: followers get increments, or the whole state when they cannot be incremental."""
 
-from actors.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from actors.kv_log import KvLog
+from actors.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from actors.worker.kv_log import KvLog
 from serve_app.kv_follower import KvFollower
 from serve_app.prefix_index import KvEventIndex, hash_token_blocks
 

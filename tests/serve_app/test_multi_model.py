@@ -14,7 +14,7 @@ import pytest
 from actors.fleet import FleetError, parse_fleet
 from actors.models import Settings
 from actors.protocol import RankMetrics, WorkerReport, decode_delta, encode_delta
-from actors.registry import FleetRegistry
+from actors.aggregator.registry import FleetRegistry
 from serve_app.breaker import Breakers
 from serve_app.config import RouterConfig
 from serve_app.follower import FleetFollower, WorkerRecord

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from actors.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from actors.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from serve_app.prefix_index import KvEventIndex, PrefixIndex, hash_token_blocks
 
 

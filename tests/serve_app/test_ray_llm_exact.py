@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 import zmq.asyncio
 
-from actors.kv_subscriber import KvSubscriber
+from actors.worker.kv_subscriber import KvSubscriber
 from actors.models import Settings
 from actors.protocol import RankMetrics, WorkerReport
-from actors.registry import FleetRegistry
+from actors.aggregator.registry import FleetRegistry
 from serve_app.prompt_tokens import SimTokenizer
 from serve_app.ray_llm.chat_render import SimChatTokenizer, rendered_chat_ids, serve_tokenizer
 from serve_app.ray_llm.engine_config import KvrouteServerOptions, sglang_metrics_kwargs
@@ -104,7 +104,7 @@ def test_kv_events_config_the_server_cls_passes_is_accepted_by_sglang_0_5_23():
     parsed = parser.from_cli(sglang_metrics_kwargs({}, ours)["kv_events_config"])
     assert {k: getattr(parsed, k) for k in ours} == ours
     assert parsed.bind is None  # a concrete address and no "bind": SGLang CONNECTS its PUB (kv_handshake)
-    from actors.kv_handshake import publisher_binds
+    from actors.wire.kv_handshake import publisher_binds
 
     assert not publisher_binds(ours["endpoint"], parsed.bind, "0.5.23")
 
@@ -220,7 +220,7 @@ async def test_the_router_follows_each_replicas_kv_log_and_routes_to_what_its_en
 
 
 def test_exact_index_counts_a_workers_blocks_over_its_ranks():
-    from actors.kv_events import BlockRemoved, BlockStored
+    from actors.wire.kv_events import BlockRemoved, BlockStored
     from serve_app.prefix_index import KvEventIndex
 
     idx = KvEventIndex(2)

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from actors.protocol import RankMetrics, WorkerReport
-from actors.registry import FleetRegistry
+from actors.aggregator.registry import FleetRegistry
 from serve_app.policies import POLICIES
 from serve_app.ray_llm.names import ROUTING_STATS_KEY, replica_worker_name
 

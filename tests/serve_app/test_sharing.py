@@ -10,7 +10,7 @@ from serve_app import sharing
 
 
 class FakeLink:
-    """Stands in for actors.link.AggregatorLink (ZeroMQ to a live aggregator): records pushes."""
+    """Stands in for actors.transport.link.AggregatorLink (ZeroMQ to a live aggregator): records pushes."""
 
     instances: list["FakeLink"] = []
 

@@ -18,7 +18,7 @@ import zmq
 from tests.sglang.compat import RELEASE, EventSource, kv_events_module, sglang  # noqa: F401
 
 from actors.fleet import parse_fleet
-from actors.launcher import kv_events_config
+from actors.worker.launcher import kv_events_config
 from tests.conftest import free_port
 from tests.integration.helpers import HealthServer, wait_for
 
@@ -83,7 +83,7 @@ def env(ray_cluster, serve_port, tmp_path_factory):
     import ray
     from ray import serve
 
-    from actors.worker_actor import start_worker_actor
+    from actors.worker.actor import start_worker
     from serve_app.app import build_app
 
     tmp = tmp_path_factory.mktemp("sgkv")
@@ -97,8 +97,8 @@ def env(ray_cluster, serve_port, tmp_path_factory):
         {"name": "other", "url": http_other.url, "page_size": PAGE, "metrics_endpoint": f"ipc://{tmp}/o.metrics"},
     ]})
     spec = fleet.workers[0]
-    start = lambda: start_worker_actor(spec, fleet.settings, name_prefix="sgkv-")  # noqa: E731
-    actors = {"sg": start(), "other": start_worker_actor(fleet.workers[1], fleet.settings, name_prefix="sgkv-")}
+    start = lambda: start_worker(spec, fleet.settings, name_prefix="sgkv-")  # noqa: E731
+    actors = {"sg": start(), "other": start_worker(fleet.workers[1], fleet.settings, name_prefix="sgkv-")}
     ray.get([a.ready.remote() for a in actors.values()], timeout=60)
     fwd = DroppingForwarder(f"tcp://127.0.0.1:{actor_port}")
     # exactly the --kv-events-config kvroute's launcher gives a managed engine, pointed at the forwarder

@@ -43,7 +43,7 @@ def test_sglangs_publisher_into_the_decoder_and_a_live_worker_actor_every_frame_
     import ray
 
     from actors.fleet import parse_fleet
-    from actors.worker_actor import start_worker_actor
+    from actors.worker.actor import start_worker
     from tests.integration.helpers import HealthServer, wait_for
 
     if pickle_ipc == "0" and not _has_msgpack_ipc():
@@ -52,7 +52,7 @@ def test_sglangs_publisher_into_the_decoder_and_a_live_worker_actor_every_frame_
     raw_endpoint, actor_endpoint = f"ipc://{tmp_path}/raw", f"ipc://{tmp_path}/w.metrics"
     fleet = parse_fleet({"workers": [{"name": f"sg-metrics-{pickle_ipc}", "url": http.url,
                                       "metrics_endpoint": actor_endpoint}]})
-    actor = start_worker_actor(fleet.workers[0], fleet.settings, name_prefix="sgc-")
+    actor = start_worker(fleet.workers[0], fleet.settings, name_prefix="sgc-")
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)  # every frame, for the pure decoder
     pull.setsockopt(zmq.LINGER, 0)

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import atexit
-import json
 import re
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import yaml
 from tests.sglang.compat import RELEASE, sglang  # noqa: F401  (skips the module without sglang)
 
 from actors.fleet import parse_fleet
-from actors.launcher import build_command
+from actors.worker.launcher import build_command
 from serve_app.config import parse_config
 
 pytestmark = pytest.mark.sglang

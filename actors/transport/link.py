@@ -13,12 +13,10 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from actors.protocol import Endpoints, HostFrame, InFlightShare, ReportBatch, WorkerReport, encode
-from actors.retry import Backoff
+from actors.protocol import Endpoints, InFlightShare, ReportBatch, WorkerReport, encode
+from actors.transport.retry import Backoff
 
 logger = logging.getLogger("kvroute.link")
-
-WINDOW_POLL_S = 30.0  # a window long-poll answers after this long even if nothing changed
 
 
 class AggregatorLink:
@@ -29,13 +27,7 @@ class AggregatorLink:
     again in the background, keeping the socket: a restarted aggregator keeps its address and
     token, so ZeroMQ's own reconnect usually brings the link back first — without waiting for
     Ray to tell this process that the actor is alive again, which lags under load. Only an answer
-    naming another address or token (the aggregator moved or is a new one) replaces the socket.
-
-    `follow_window` (a metrics host's link): once connected, the link long-polls the aggregator's
-    fleet-wide coalescing window (`Aggregator.host_window`, a Ray call that answers only when the
-    window changes, or after `WINDOW_POLL_S`) into `window_s` — the control channel from the
-    aggregator to the hosts, one pending call per link. None until the first answer (the pipe then
-    uses `coalesce_s`)."""
+    naming another address or token (the aggregator moved or is a new one) replaces the socket."""
 
     def __init__(
         self,
@@ -48,13 +40,11 @@ class AggregatorLink:
         backoff_s: float = 0.1,
         backoff_max_s: float = 0.5,
         client_ip: str | None = None,
-        follow_window: bool = False,
     ) -> None:
         self._resolve = resolve
         self._ctx = ctx or zmq.asyncio.Context.instance()
         self.hwm, self.stale_s, self.call_timeout_s = hwm, stale_s, call_timeout_s
         self._backoff = Backoff(backoff_s, backoff_max_s)
-        self._window_backoff = Backoff(backoff_s, max(backoff_max_s, 1.0))
         self._retry_at = 0.0
         self._client_ip = client_ip
         self.handle: Any = None  # the aggregator's Ray handle (lifecycle calls: remove, snapshot)
@@ -67,9 +57,6 @@ class AggregatorLink:
         self.reconnects = 0
         self._lock: asyncio.Lock | None = None
         self.connections = 0  # TCP connections made to an aggregator: a new one may be a restarted aggregator
-        self.follow_window = follow_window
-        self.window_s: float | None = None  # the aggregator's fleet-wide window (follow_window), None until known
-        self._window_task: asyncio.Task | None = None
         self._reresolve_task: asyncio.Task | None = None
 
     @property
@@ -85,7 +72,7 @@ class AggregatorLink:
 
     async def ensure(self) -> bool:
         """True when a socket is ready to push to; (re)resolves when needed, with back-off. Callers
-        sharing one link (several metrics hosts' pipes in one emulator) share one resolution."""
+        sharing one link share one resolution."""
         if self._sock is not None and self.ready():
             return True
         if self._lock is None:
@@ -113,8 +100,6 @@ class AggregatorLink:
         self._backoff.reset()
         self.endpoints = endpoints
         self._open_socket(endpoints.ingest)
-        if self.follow_window and self._window_task is None:
-            self._window_task = asyncio.get_running_loop().create_task(self._follow_window())
         return True
 
     async def _ask(self) -> Endpoints | None:
@@ -159,11 +144,6 @@ class AggregatorLink:
     def push_reports(self, reports: list[WorkerReport]) -> bool:
         return self._push(ReportBatch(token=self._token(), reports=reports))
 
-    def push_host(self, host: str, incarnation: str, workers: list[str], reports: list[WorkerReport]) -> bool:
-        """A metrics host's frame: the heartbeat of all of `workers`, the whole reports of `reports`."""
-        return self._push(HostFrame(token=self._token(), host=host, incarnation=incarnation, workers=workers,
-                                    reports=reports))
-
     def push_in_flight(self, replica: str, counts: dict[str, int]) -> bool:
         return self._push(InFlightShare(token=self._token(), replica=replica, counts=counts))
 
@@ -171,27 +151,7 @@ class AggregatorLink:
         if self._reresolve_task is not None:
             self._reresolve_task.cancel()
             self._reresolve_task = None
-        if self._window_task is not None:
-            self._window_task.cancel()
-            self._window_task = None
         self._close_socket()
-
-    async def _follow_window(self) -> None:
-        """Long-poll the aggregator's fleet-wide window into `window_s` (see the class docstring). A
-        failed call (the aggregator restarting or gone) is retried with the link's back-off; the
-        window known meanwhile stays in use."""
-        while True:
-            handle = self.handle
-            try:
-                if handle is None:
-                    raise ConnectionError("no aggregator handle yet")
-                self.window_s = await handle.host_window.remote(self.window_s, WINDOW_POLL_S)
-                self._window_backoff.reset()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                logger.debug("fleet window long-poll failed (%s); retrying", type(exc).__name__)
-                await asyncio.sleep(self._window_backoff.delay())
 
     # --- internals ----------------------------------------------------------------------------
 

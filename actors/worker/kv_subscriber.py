@@ -2,7 +2,7 @@
 (`kv_handshake`), decode batches (`kv_events`), recover lost ones from the replay ROUTER, keep what
 the engine holds (`kv_log`) and answer the routers' long polls (`since`).
 
-Hosted by a worker actor (`actors.worker_actor`) or, for a Ray Serve LLM replica, by the replica's
+Hosted by a worker actor (`actors.worker.actor`) or, for a Ray Serve LLM replica, by the replica's
 small KV-log actor (`serve_app.ray_llm.kv_log_actor`): the same code either way.
 """
 
@@ -19,20 +19,20 @@ import zmq.asyncio
 
 from actors.fleet import WorkerSpec
 
-from actors.kv_events import (
+from actors.wire.kv_events import (
     KvEventError,
     SeqTracker,
     decode_kv_event_frame,
     is_replay_end,
     replay_reply,
 )
-from actors.kv_handshake import (
+from actors.wire.kv_handshake import (
     KvEventsPlan,
     SilenceWatch,
     plan_subscription,
     rank_endpoint,
 )
-from actors.kv_log import KvLog
+from actors.worker.kv_log import KvLog
 from actors.models import Settings
 from actors.protocol import (
     KvEventsCounters,
@@ -110,7 +110,7 @@ class KvSubscriber:
         self._sock = sock
         try:
             if endpoint == "auto":  # we bind a port, the engine connects to it
-                from actors.launcher import free_port
+                from actors.worker.launcher import free_port
 
                 endpoint = f"tcp://{host}:{_bind_ranks(sock, host, ranks)}"  # rank r publishes on base + r
                 # a connecting PUB loses what it sends before our subscription reached it (libzmq applies
@@ -325,12 +325,12 @@ class KvSubscriber:
 
 def subscribe_for(spec: WorkerSpec, ctx: zmq.asyncio.Context, settings: Any, *, listen_host: str,
                   on_change: Callable[[], None]) -> tuple[KvSubscriber, WorkerSpec]:
-    """Meet `spec`'s KV-event publisher, SGLang's own rule (`actors.kv_handshake`): bind the SUB where
+    """Meet `spec`'s KV-event publisher, SGLang's own rule (`actors.wire.kv_handshake`): bind the SUB where
     SGLang connects (a concrete tcp address, never a wildcard), connect where SGLang binds. With
     `kv_events_endpoint: auto` (managed) the SUB binds on `listen_host` before the engine starts, and
     the spec returned names the concrete address its engine connects to (and a restarted owner binds
     again). Raises EndpointError."""
-    from actors.endpoint import EndpointError
+    from actors.worker.endpoint import EndpointError
 
     auto = spec.kv_events_endpoint == "auto"
     peer = spec.url.split("//", 1)[1].rsplit(":", 1)[0].strip("[]") if spec.url else None

@@ -15,17 +15,17 @@ import zmq
 import zmq.asyncio
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.aggregator import get_or_create_aggregator
-from actors.endpoint import EndpointError, _ipc_path, bind_pull, default_endpoint  # noqa: F401  (callers import them here)
+from actors.aggregator.actor import get_or_create_aggregator
+from actors.worker.endpoint import EndpointError, _ipc_path, bind_pull, default_endpoint  # noqa: F401  (callers import them here)
 from actors.fleet import WorkerSpec
-from actors.health import HealthProbe, probe_client
-from actors.ingest import MetricsBook
-from actors.kv_handshake import shows_prefill
-from actors.kv_log import KvLog
-from actors.kv_subscriber import KvSubscriber, subscribe_for
-from actors.launcher import ManagedProcess
-from actors.link import AggregatorLink
-from actors.metrics_pipe import MetricsPipe
+from actors.worker.health import HealthProbe, probe_client
+from actors.worker.ingest import MetricsBook
+from actors.wire.kv_handshake import shows_prefill
+from actors.worker.kv_log import KvLog
+from actors.worker.kv_subscriber import KvSubscriber, subscribe_for
+from actors.worker.launcher import ManagedProcess
+from actors.transport.link import AggregatorLink
+from actors.worker.metrics_pipe import MetricsPipe
 from actors.models import NAMESPACE, Settings
 from actors.protocol import (
     KvEventsStatus,
@@ -175,6 +175,7 @@ class WorkerActor:
             except Exception:  # best effort: the aggregator may be gone already
                 pass
         self._link.close()
+        self._health.close()
         await self._http.aclose()
         self._ctx.term()
         logger.info("worker %s: stopped", self.name)
@@ -257,7 +258,7 @@ def _node_id() -> str | None:
 WORKER_ACTOR_PREFIX = "kvroute-worker-"
 
 
-def start_worker_actor(
+def start_worker(
     spec: WorkerSpec, settings: Settings, *, name_prefix: str = WORKER_ACTOR_PREFIX,
     detached: bool = False, get_if_exists: bool = False,
 ) -> Any:
@@ -278,7 +279,7 @@ def start_worker_actor(
     return WorkerActor.options(**opts).remote(spec.model_dump(), settings.model_dump())
 
 
-def kill_worker_actors(prefix: str = WORKER_ACTOR_PREFIX, names: list[str] | None = None) -> list[str]:
+def stop_workers(names: list[str] | None = None, prefix: str = WORKER_ACTOR_PREFIX) -> list[str]:
     """Stop and kill kvroute's named worker actors (all, or those of `names`). Returns the names."""
     killed = []
     for entry in ray.util.list_named_actors(all_namespaces=True):

@@ -13,7 +13,7 @@ import uuid
 from collections import deque
 from typing import Any
 
-from actors.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from actors.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from actors.protocol import KvLogAnswer, KvLogEntry
 
 

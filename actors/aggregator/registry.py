@@ -5,10 +5,7 @@ change bumps the registry version, stamps the changed worker with it and marks i
 `take_delta()` hands the publisher exactly the workers changed since its last call (the name list
 only when membership changed), `snapshot()` gives a follower that must resync the whole fleet.
 
-Liveness comes from a worker's own reports (a per-worker actor) or from its metrics host's frames
-(node hosting): a host's frame is the heartbeat of every worker it names, so the registry keeps one
-heartbeat time per host and re-derives a host's workers only when that host goes quiet or comes
-back — O(hosts) work per frame and per tick, not O(workers).
+Liveness comes from each worker actor's own reports: every report is that worker's heartbeat.
 """
 
 from __future__ import annotations
@@ -44,16 +41,6 @@ class _Worker:
     state: WorkerState = WorkerState.IDLE
     version: int = 0
     metrics_at: float | None = None  # newest rank's receive time (registry clock)
-    host: str | None = None  # the metrics host vouching for it (its heartbeat is the host's)
-
-
-@dataclass(slots=True)
-class _Host:
-    incarnation: str
-    heartbeat_at: float
-    workers: list[str]  # the names its newest frame vouched for
-    down: bool = False  # its heartbeat is older than down_after_s: its workers were re-derived down
-    local: bool = False  # the aggregator's own in-process host: alive as long as the registry is, no heartbeat
 
 
 BUSY_FRAMES = 8  # frames per publish_interval_s from which deltas go every publish_interval_s
@@ -83,54 +70,22 @@ class FleetRegistry:
         self.version = 0
         self._workers: dict[str, _Worker] = {}
         self._in_flight: dict[str, tuple[float, dict[str, int]]] = {}  # router replica → counts
-        self._hosts: dict[str, _Host] = {}  # metrics host → its heartbeat and the workers it vouches for
         self._next_due = float("inf")  # earliest moment a worker's state can change by time alone
         self._dirty: dict[str, bool] = {}  # changed since the last take_delta() → more than its ranks?
         self._published = 0  # version of the last take_delta()
         self._members_at = 0  # version of the last membership change
         self._replicas_at = 0  # version of the last change of the sharing router replicas
         # removed worker → the incarnation it had: that incarnation's frames still in flight (sent
-        # before its actor or host stopped, drained after the removal) must not bring it back as a
+        # before its actor stopped, drained after the removal) must not bring it back as a
         # worker that is down forever; another incarnation (the name added again) registers
         self._removed: dict[str, str] = {}
         self.late_reports = 0  # reports of a removed incarnation, ignored
+        self._heard: set[str] = set()  # heartbeats that changed nothing since the last delta (`FleetDelta.heard`)
 
     # --- writes -------------------------------------------------------------------------------
 
-    def host_frame(self, host: str, incarnation: str, workers: list[str], reports: list[WorkerReport],
-                   local: bool = False) -> bool:
-        """A metrics host's frame: the heartbeat of every worker in `workers` (one timestamp, however
-        many) and the whole reports of those that changed. A worker the host no longer names keeps
-        its last heartbeat and goes down after `down_after_s` unless something else reports it.
-        `local`: the aggregator's in-process host, which sends no heartbeats — its workers' liveness
-        is their own health only (the host lives as long as this registry)."""
-        now = self.clock()
-        h = self._hosts.get(host)
-        changed = False
-        if h is None:
-            h = self._hosts[host] = _Host(incarnation=incarnation, heartbeat_at=now, workers=list(workers), local=local)
-        else:
-            if h.workers != workers:
-                kept = set(workers)
-                for n in h.workers:
-                    w = self._workers.get(n)
-                    if n not in kept and w is not None and w.host == host:
-                        w.host, w.heartbeat_at = None, h.heartbeat_at
-                        due = self._due(w, now)
-                        if due < self._next_due:
-                            self._next_due = due
-                h.workers = list(workers)
-            h.incarnation, h.heartbeat_at = incarnation, now
-        for r in reports:
-            changed |= self.report(r, host=host)
-        if h.down:  # back: its workers' states follow its heartbeat again
-            h.down = False
-            changed |= self._rederive_host(h, host, now)
-        return changed
-
-    def report(self, r: WorkerReport, host: str | None = None) -> bool:
-        """Upsert one worker's report (registration, liveness and latest ranks in one); `host`: the
-        metrics host that sent it, whose frames are its heartbeat from now on."""
+    def report(self, r: WorkerReport) -> bool:
+        """Upsert one worker's report (registration, liveness and latest ranks in one)."""
         now = self.clock()
         w = self._workers.get(r.name)
         changed = False  # anything but the ranks
@@ -147,7 +102,6 @@ class FleetRegistry:
             self._workers[r.name] = w
             changed = True
         w.heartbeat_at = now
-        w.host = host
         if w.url != r.url or w.page_size != r.page_size or w.healthy != r.healthy \
                 or w.health_detail != r.health_detail or w.managed != r.managed \
                 or w.kv_events_actor != r.kv_events_actor or w.kv_events != r.kv_events or w.models != r.models \
@@ -169,6 +123,8 @@ class FleetRegistry:
         changed |= self._rederive(w, now)
         if changed or ranks_changed:
             self._bump(w, whole=changed)
+        else:
+            self._heard.add(w.name)
         due = self._due(w, now)
         if due < self._next_due:
             self._next_due = due
@@ -176,7 +132,7 @@ class FleetRegistry:
 
     def remove(self, name: str) -> bool:
         """Forget a worker. Reports of the incarnation it had are ignored from now on (frames
-        already in flight when its actor or host stopped); a new incarnation registers it again."""
+        already in flight when its actor stopped); a new incarnation registers it again."""
         w = self._workers.pop(name, None)
         if w is None:
             return False
@@ -215,11 +171,6 @@ class FleetRegistry:
                     changed = True
                 due = min(due, self._due(w, now))
             self._next_due = due
-        down_after = self.settings.down_after_s
-        for name, h in self._hosts.items():  # O(hosts): hosted workers' heartbeats are their host's
-            if not h.down and not h.local and now - h.heartbeat_at > down_after:
-                h.down = True
-                changed |= self._rederive_host(h, name, now)
         expiry = self.settings.down_after_s * 2
         for replica, (at, counts) in list(self._in_flight.items()):
             if now - at > expiry:
@@ -234,14 +185,10 @@ class FleetRegistry:
 
     def next_due(self) -> float:
         """The earliest moment `tick()` can change something (registry clock; never later than the
-        true one): a worker's idle or down threshold, a host's heartbeat reaching `down_after_s`,
-        a router replica's in-flight counts expiring. O(hosts + replicas)."""
+        true one): a worker's idle or down threshold, a router replica's in-flight counts expiring.
+        O(replicas)."""
         due = self._next_due
-        down_after = self.settings.down_after_s
-        for h in self._hosts.values():
-            if not h.down and not h.local and h.heartbeat_at + down_after < due:
-                due = h.heartbeat_at + down_after
-        expiry = down_after * 2
+        expiry = self.settings.down_after_s * 2
         for at, _ in self._in_flight.values():
             if at + expiry < due:
                 due = at + expiry
@@ -274,21 +221,24 @@ class FleetRegistry:
         names = list(workers) if self._members_at > self._published else None
         replicas = list(self._in_flight) if self._replicas_at > self._published else None
         delta = FleetDelta(epoch=self.epoch, version=self.version, prev_version=self._published, full=False,
-                           workers=whole, names=names, metrics=ranks_only, replicas=replicas)
+                           workers=whole, names=names, metrics=ranks_only, replicas=replicas, heard=self._take_heard())
         self._published = self.version
         self._dirty.clear()
         return delta
 
     def keepalive(self) -> FleetDelta:
-        """An empty delta at the last published version: followers hear the epoch and that we live."""
+        """An empty delta at the last published version: followers hear the epoch, that we live, and
+        which workers' heartbeats arrived meanwhile."""
         return FleetDelta(epoch=self.epoch, version=self._published, prev_version=self._published, full=False,
-                          workers=[])
+                          workers=[], heard=self._take_heard())
+
+    def _take_heard(self) -> list[str]:
+        heard = [n for n in self._heard if n in self._workers and n not in self._dirty]
+        self._heard.clear()
+        return heard
 
     def names(self) -> list[str]:
         return list(self._workers)
-
-    def hosts(self) -> int:
-        return len(self._hosts)
 
     def __len__(self) -> int:
         return len(self._workers)
@@ -300,7 +250,7 @@ class FleetRegistry:
             name=w.name, url=w.url, page_size=w.page_size, state=w.state.value, healthy=w.healthy,
             health_detail=w.health_detail,
             metrics_age_s=None if w.metrics_at is None else max(0.0, now - w.metrics_at),
-            heartbeat_age_s=max(0.0, now - self._heartbeat_at(w)),
+            heartbeat_age_s=max(0.0, now - w.heartbeat_at),
             ranks=self._ranks(w), in_flight_by_replica=remote, version=w.version,
             managed=w.managed, kv_events_actor=w.kv_events_actor, kv_events=w.kv_events, models=w.models,
             role=w.role, bootstrap_port=w.bootstrap_port, dp_size=w.dp_size,
@@ -318,28 +268,12 @@ class FleetRegistry:
     def _metrics_age(w: _Worker, now: float) -> float | None:
         return None if w.metrics_at is None else now - w.metrics_at
 
-    def _heartbeat_at(self, w: _Worker) -> float:
-        h = self._hosts.get(w.host) if w.host is not None else None
-        if h is None:
-            return w.heartbeat_at
-        return self.clock() if h.local else h.heartbeat_at
-
-    def _rederive_host(self, h: _Host, name: str, now: float) -> bool:
-        changed = False
-        for n in h.workers:
-            w = self._workers.get(n)
-            if w is not None and w.host == name and self._rederive(w, now):
-                self._bump(w)
-                changed = True
-        return changed
-
     def _due(self, w: _Worker, now: float) -> float:
         """When `w`'s derived state can next change without a report: its heartbeat reaching
-        `down_after_s` (its own; a hosted worker's is its host's, watched per host in `tick`) or
-        its newest metrics reaching `idle_after_s` (thresholds already passed are reflected in its
+        `down_after_s` or its newest metrics reaching `idle_after_s` (thresholds already passed are reflected in its
         state)."""
         s = self.settings
-        due = float("inf") if w.host is not None else w.heartbeat_at + s.down_after_s
+        due = w.heartbeat_at + s.down_after_s
         if due < now:
             due = float("inf")
         if w.metrics_at is not None:
@@ -351,7 +285,7 @@ class FleetRegistry:
     def _rederive(self, w: _Worker, now: float) -> bool:
         state = derive_state(
             healthy=w.healthy,
-            heartbeat_age_s=now - self._heartbeat_at(w),
+            heartbeat_age_s=now - w.heartbeat_at,
             metrics_age_s=self._metrics_age(w, now),
             settings=self.settings,
         )

@@ -1,13 +1,11 @@
 """When a metrics pipeline pushes toward the aggregator, written once: throttled on both edges over
 `Settings.coalesce_s`, plus a push loop for heartbeats, woken changes and reconnection.
 
-Shared by a worker's own pipeline (`actors.metrics_pipe.MetricsPipe`: one worker, `ReportBatch`
-frames) and a node's metrics host (`actors.host_pipe.HostPipe`: many workers, one `HostFrame`);
-each says how it receives (`_pause_receive` / `_resume_receive` / `_drain_waiting`) and what one
-push is (`_push_now`). No Ray import.
+The base of a worker's pipeline (`actors.worker.metrics_pipe.MetricsPipe`), which says how it
+receives (`_pause_receive` / `_resume_receive` / `_drain_waiting`) and what one push is
+(`_push_now`). No Ray import.
 
-- The window is `Settings.coalesce_s`, or the fleet-wide window the aggregator hands a metrics host's
-  link (`link.window_s`, `actors.fleet_window`: shorter while the fleet is large).
+- The window is `Settings.coalesce_s`.
 - The first change after a window without a push goes at once, from the receive callback itself
   (no hand-off to the push loop).
 - After that a coalescing window starts: the receive watches sleep (SGLang's frames wait in their
@@ -26,7 +24,7 @@ import asyncio
 import logging
 import time
 
-from actors.link import AggregatorLink
+from actors.transport.link import AggregatorLink
 from actors.models import Settings
 
 logger = logging.getLogger("kvroute.push")
@@ -68,9 +66,8 @@ class PushWindow:
     # --- the windows ----------------------------------------------------------------------------
 
     def window_s(self) -> float:
-        """The coalescing window now: the aggregator's fleet-wide one if the link follows it, else `coalesce_s`."""
-        w = getattr(self.link, "window_s", None)
-        return self.settings.coalesce_s if w is None else w
+        """The coalescing window."""
+        return self.settings.coalesce_s
 
     def _metrics_arrived(self) -> None:
         """New metrics, throttled on both edges (see the module docstring)."""

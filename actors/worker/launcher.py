@@ -1,15 +1,16 @@
 """Launching and supervising a worker's engine process (managed mode): `sim` or real `sglang`.
 
-Pure asyncio + subprocess (no Ray): the worker's owner (its actor, or its node's host) holds one
-`ManagedProcess`. It starts the engine under a keeper (`actors.keeper`: own process group, stopped
-when its owner has been gone `orphan_grace_s`), waits for `/health`, restarts it with backoff when it
-dies (bounded), stops it with SIGTERM then SIGKILL after a grace period, and can adopt the engine of
-a previous incarnation of its owner — no orphans.
+Pure asyncio + subprocess (no Ray): the worker's actor holds one `ManagedProcess`. It starts the
+engine as its child (own process group; killed by the kernel if the actor's process dies, so Ray's
+restart of the actor never meets an orphan — it launches a new engine), waits for `/health`,
+restarts it with backoff when it dies (bounded), and stops it with SIGTERM then SIGKILL after a grace
+period.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ import signal
 import socket
 import sys
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -29,6 +31,7 @@ from actors.protocol import ManagedEngine
 logger = logging.getLogger("kvroute.launcher")
 
 SGLANG_METRICS_ENV = "KVROUTE_METRICS_IPC_NAME"
+_SOURCE_ROOT = str(Path(__file__).resolve().parents[2])  # holds actors/ (actors.sglang_launch is stdlib-only)
 
 
 class LaunchError(RuntimeError):
@@ -114,15 +117,17 @@ def build_command(spec: WorkerSpec, *, host: str, port: int, metrics_endpoint: s
         return cmd + _pd_flags(spec) + _flags({k: v for k, v in spec.engine_args.items() if k != "dp_size"}), {}
     if spec.engine == "sglang":
         cmd = [
-            sys.executable, "-m", "actors.sglang_launch", "--model-path", str(spec.model),
+            spec.python or sys.executable, "-m", "actors.sglang_launch", "--model-path", str(spec.model),
             "--host", host, "--port", str(port), "--page-size", str(spec.page_size), "--enable-metrics",
         ]
         # KvMetrics are only sent with --kv-events-config set (SGLang ≥ 0.5.3), even if we do not subscribe
         cmd += ["--kv-events-config", json.dumps(kv_events_config(spec, host))]
         if spec.dp_size > 1:  # DP attention is the user's choice (engine_args.enable_dp_attention)
             cmd += ["--dp-size", str(spec.dp_size)]
-        return cmd + _pd_flags(spec) + _flags({k: v for k, v in spec.engine_args.items() if k != "dp_size"}), \
-            {SGLANG_METRICS_ENV: metrics_endpoint}
+        env = {SGLANG_METRICS_ENV: metrics_endpoint}
+        if spec.python:  # SGLang's own environment: it finds `actors.sglang_launch` in kvroute's source
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (_SOURCE_ROOT, os.environ.get("PYTHONPATH")) if p)
+        return cmd + _pd_flags(spec) + _flags({k: v for k, v in spec.engine_args.items() if k != "dp_size"}), env
     raise LaunchError(f"worker {spec.name}: no engine to launch (attach mode)")
 
 
@@ -144,18 +149,16 @@ def kv_events_config(spec: WorkerSpec, host: str) -> dict[str, Any]:
     return cfg
 
 
-def _unlink_if_stale(path: str) -> None:
-    """Remove `path` if it is a Unix socket nobody listens on."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        try:
-            s.connect(path)
-        except ConnectionRefusedError:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-        except OSError:
-            pass
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when the process that started it (the worker actor) dies.
+    Linux only; elsewhere the engine outlives a crashed actor until stopped by hand."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
 
 
 @dataclass(slots=True)
@@ -174,11 +177,8 @@ class ProcessStatus:
 
 
 class ManagedProcess:
-    """Owns one engine for the lifetime of its worker (its actor, or the host that hosts it): the
-    engine runs under an `actors.keeper` process, which this object talks to over a Unix socket
-    (`control`). `orphan_grace_s` > 0 lets the engine outlive this object's process that long, so
-    that a restarted owner that remembers `control` adopts it (`start()` connects instead of
-    launching); 0 stops it as soon as the owner is gone."""
+    """Owns one engine child process for the lifetime of its worker actor. `env` is added to the
+    engine's environment (the fleet entry's `env:`)."""
 
     def __init__(
         self,
@@ -191,8 +191,6 @@ class ManagedProcess:
         max_restarts: int = 5,
         restart_backoff_s: float = 0.5,
         stop_grace_s: float = 5.0,
-        orphan_grace_s: float = 0.0,
-        control: str | None = None,
         env: dict[str, str] | None = None,
         on_change: Callable[[], None] | None = None,
     ) -> None:
@@ -205,32 +203,23 @@ class ManagedProcess:
         self.max_restarts = max_restarts
         self.restart_backoff_s = restart_backoff_s
         self.stop_grace_s = stop_grace_s
-        self.orphan_grace_s = orphan_grace_s
-        self.env = dict(env or {})  # added to the engine's environment (its reserved GPUs)
-        self.control = control  # the keeper's socket: given, an engine to adopt; else set by each launch
-        self.adopted = False
+        self.env = dict(spec.env if env is None else env)
         self.on_change = on_change or (lambda: None)
         self.status = ProcessStatus()
-        self._keeper_pid: int | None = None
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
-        self._running = False
+        self._proc: asyncio.subprocess.Process | None = None
         self._stopping = False
         self._supervisor: asyncio.Task | None = None
-        self._healthy = asyncio.Event()
 
     @property
     def alive(self) -> bool:
-        return self._running
+        return self._proc is not None and self._proc.returncode is None
 
     def command(self) -> tuple[list[str], dict[str, str]]:
         return build_command(self.spec, host=self.host, port=self.port, metrics_endpoint=self.metrics_endpoint)
 
     async def start(self) -> None:
-        """Adopt the engine of `control` if its keeper still runs, else launch one; start the
-        supervisor. Returns at once (see `wait_healthy`)."""
-        if not (self.control and await self._adopt()):
-            await self._spawn()
+        """Start the child and its supervisor; returns at once (see `wait_healthy`)."""
+        await self._spawn()
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
 
     async def launch(self) -> None:
@@ -243,80 +232,19 @@ class ManagedProcess:
             await self.stop()
             raise
 
-    async def _adopt(self) -> bool:
-        assert self.control is not None
-        try:
-            await self._connect(self.control, timeout_s=1.0)
-        except LaunchError as exc:
-            logger.info("worker %s: no engine to adopt (%s); launching one", self.spec.name, exc)
-            _unlink_if_stale(self.control)  # a keeper killed with SIGKILL leaves its socket file behind
-            return False
-        self.adopted = True
-        self._set("starting", f"adopted engine pid {self.status.pid} (keeper {self.control})")
-        logger.info("worker %s: adopted engine pid %s on %s", self.spec.name, self.status.pid, self.url)
-        return True
-
     async def _spawn(self) -> None:
-        from actors.keeper import control_dir
-
         cmd, env_extra = self.command()
         env = {**os.environ, **self.env, **env_extra}
-        self.control = os.path.join(control_dir(), f"{self.spec.name}-{os.urandom(4).hex()}.ctl")
-        keeper = [sys.executable, "-m", "actors.keeper", "--control", self.control,
-                  "--grace-s", str(self.orphan_grace_s), "--stop-grace-s", str(self.stop_grace_s), "--", *cmd]
         try:
-            launcher = await asyncio.create_subprocess_exec(
-                *keeper, env=env, stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
+            self._proc = await asyncio.create_subprocess_exec(
+                *cmd, env=env, stdin=asyncio.subprocess.DEVNULL, start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
         except OSError as exc:
-            raise LaunchError(f"worker {self.spec.name}: cannot start {sys.executable}: {exc}") from None
-        # it returns once the (detached) keeper runs the engine
-        code = await launcher.wait()
-        if code != 0:
-            raise LaunchError(f"worker {self.spec.name}: cannot start its engine {cmd[:4]} (keeper exit {code}; "
-                              "see this actor's log)")
-        self._healthy.clear()
-        await self._connect(self.control, timeout_s=30.0)
-        self._set("starting", f"pid {self.status.pid}: {' '.join(cmd[:4])} …")
-        logger.info("worker %s: started engine pid %d", self.spec.name, self.status.pid)
-
-    async def _connect(self, path: str, timeout_s: float) -> None:
-        """Connect to the keeper at `path` and read the engine's pid; LaunchError if that fails in time."""
-        deadline = time.monotonic() + timeout_s
-        last = "no keeper socket"
-        while True:
-            try:
-                reader, writer = await asyncio.open_unix_connection(path)
-                line = await asyncio.wait_for(reader.readline(), max(0.1, deadline - time.monotonic()))
-                hello = json.loads(line)
-                pid, keeper = int(hello["pid"]), int(hello["keeper"])
-                break
-            except (OSError, ValueError, KeyError, TypeError, asyncio.TimeoutError) as exc:
-                last = f"{type(exc).__name__}: {exc}"
-            if time.monotonic() >= deadline:
-                raise LaunchError(f"worker {self.spec.name}: cannot reach the engine's keeper at {path} ({last})")
-            await asyncio.sleep(0.02)
-        self._reader, self._writer = reader, writer
-        self._running = True
-        self.status.pid, self._keeper_pid = pid, keeper
-
-    async def _wait_exit(self) -> int | None:
-        """The engine's exit code, as its keeper tells it (None: the keeper itself died, and the
-        engine with it)."""
-        assert self._reader is not None
-        code: int | None = None
-        try:
-            while line := await self._reader.readline():
-                try:
-                    code = int(json.loads(line)["exit"])
-                    break
-                except (ValueError, KeyError, TypeError):
-                    continue
-        except (ConnectionError, OSError):
-            pass
-        self._running = False
-        if self._writer is not None:
-            self._writer.close()
-        return code
+            raise LaunchError(f"worker {self.spec.name}: cannot start {cmd[0]}: {exc}") from None
+        self.status.pid = self._proc.pid
+        self._set("starting", f"pid {self._proc.pid}: {' '.join(cmd[:4])} …")
+        logger.info("worker %s: started engine pid %d", self.spec.name, self._proc.pid)
 
     def _set(self, state: str, detail: str) -> None:
         self.status.state, self.status.detail = state, detail
@@ -324,16 +252,16 @@ class ManagedProcess:
         self.on_change()
 
     async def wait_healthy(self, progress: Callable[[str], None] | None = None) -> None:
-        """Poll `/health` until 200, the engine has failed for good, or `health_timeout_s` passes."""
+        """Poll `/health` until 200, the engine has failed for good, or `health_timeout_s` passes.
+        SGLang's /health answers after ≥ 1 s (a one-token generation), hence the per-poll timeout."""
         deadline = time.monotonic() + self.health_timeout_s
-        async with httpx.AsyncClient(timeout=2.0) as client:
+        async with httpx.AsyncClient(timeout=5.0) as client:
             while True:
-                if not self._running and not self._stopping and self.status.state == "failed":
+                if not self.alive and not self._stopping and self.status.state == "failed":
                     raise LaunchError(f"worker {self.spec.name}: engine exited ({self.status.detail})")
                 try:
                     r = await client.get(f"{self.url}/health")
                     if r.status_code == 200:
-                        self._healthy.set()
                         if self.status.state != "running":
                             self._set("running", f"pid {self.status.pid} healthy on {self.url}")
                         return
@@ -351,7 +279,8 @@ class ManagedProcess:
     async def _supervise(self) -> None:
         backoff = self.restart_backoff_s
         while not self._stopping:
-            code = await self._wait_exit()
+            assert self._proc is not None
+            code = await self._proc.wait()
             if self._stopping:
                 return
             self.status.last_exit = code
@@ -374,23 +303,21 @@ class ManagedProcess:
                 logger.warning("%s", exc)
 
     async def stop(self) -> None:
-        """Stop the engine: its keeper sends SIGTERM to its process group, SIGKILL after
-        `stop_grace_s`; if the keeper does not answer, SIGKILL to the engine's group and the keeper."""
+        """SIGTERM the child's process group, SIGKILL after `stop_grace_s`."""
         self._stopping = True
         if self._supervisor is not None:
             self._supervisor.cancel()
             await asyncio.wait({self._supervisor}, timeout=1.0)
-        if self._running and self._writer is not None:
-            try:
-                self._writer.write(b"stop\n")
-                await self._writer.drain()
-                await asyncio.wait_for(self._wait_exit(), self.stop_grace_s + 6.0)
-            except (ConnectionError, OSError, asyncio.TimeoutError):
-                for pid in (self.status.pid, self._keeper_pid):
-                    if pid:
-                        try:
-                            os.killpg(pid, signal.SIGKILL)
-                        except (ProcessLookupError, PermissionError):
-                            pass
-                self._running = False
+        proc = self._proc
+        if proc is not None and proc.returncode is None:
+            for sig, wait in ((signal.SIGTERM, self.stop_grace_s), (signal.SIGKILL, 5.0)):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    await asyncio.wait_for(proc.wait(), wait)
+                    break
+                except asyncio.TimeoutError:
+                    continue
         self._set("stopped", "stopped by kvroute")

@@ -1,13 +1,13 @@
 """One worker's metrics pipeline, written once: SGLang's KvMetrics frames from a bound PULL into a
 `MetricsBook`, and coalesced `WorkerReport`s over an `AggregatorLink`, with a heartbeat.
 
-Used by the worker actor (`actors.worker_actor.WorkerActor`) and by a Ray Serve LLM replica's
+Used by the worker actor (`actors.worker.actor.WorkerActor`) and by a Ray Serve LLM replica's
 in-replica collector (`serve_app.ray_llm.collector.ReplicaCollector`); each keeps only what differs
 (liveness probes and the managed engine; replica registration) and hands the pipe a `report()`.
 
-Receive: the event loop calls a drain when the PULL is readable (`actors.readable.SocketWatch`: one
+Receive: the event loop calls a drain when the PULL is readable (`actors.transport.readable.SocketWatch`: one
 callback per arrival, no future per frame); multipart messages are refused (SGLang never sends them).
-Push: `actors.push_window.PushWindow` (throttled on both edges over `Settings.coalesce_s`, plus a push
+Push: `actors.worker.push_window.PushWindow` (throttled on both edges over `Settings.coalesce_s`, plus a push
 loop for heartbeats, woken changes (liveness, status) and reconnection). No Ray import.
 """
 
@@ -20,12 +20,12 @@ from typing import Callable
 
 import zmq
 
-from actors.ingest import MetricsBook
-from actors.link import AggregatorLink
+from actors.worker.ingest import MetricsBook
+from actors.transport.link import AggregatorLink
 from actors.models import Settings
 from actors.protocol import WorkerReport
-from actors.push_window import PushWindow
-from actors.readable import SocketWatch
+from actors.worker.push_window import PushWindow
+from actors.transport.readable import SocketWatch
 
 logger = logging.getLogger("kvroute.worker")
 

@@ -12,16 +12,8 @@ carry the aggregator's token (128 random bits, handed out only through Ray's aut
 calls, kept across restarts) and decode as exactly one typed message; anything else is counted and
 dropped. The PUB stream carries the fleet view (worker URLs and load), no secrets.
 
-It also hosts the workers placed on its own node (`actors.hosting.NodeHosting`, the same class a
-node's `MetricsHost` runs): their SGLang PULLs, /health probes and one batched frame per window,
-handed to the registry in-process (`LocalLink`) — no host process and no ZeroMQ hop on the
-aggregator's node — and the engines of the managed ones (each under a keeper, `actors.keeper`).
-Their specs, and where their engines are, are remembered in Ray's internal KV: Ray restarting the
-aggregator re-binds them in the new incarnation and adopts the engines, which kept running (their
-frames in between are lost; the newest after the re-bind is what counts). If it restarts on another
-node (its node died), it does not host them there — an ipc endpoint is node-local: they go to their
-node's `MetricsHost` if that node is alive, else the managed ones to the orphan sweep (hosted again
-where Ray reschedules their resources) and the rest died with it.
+It hosts no worker: every worker's metrics come from that worker's own actor
+(`actors.worker.actor`), wherever Ray placed it.
 """
 
 from __future__ import annotations
@@ -41,23 +33,18 @@ import ray
 import zmq
 import zmq.asyncio
 
-from actors.fleet_window import FleetWindow
-from actors.hosting import ENGINE_KEY, ENV_KEY, HostingCalls, LocalLink, NodeHosting, remember, remembered
 from actors.models import NAMESPACE, Settings
 from actors.protocol import (
-    MAX_INGEST_FRAME_BYTES, AggregatorStats, Endpoints, HostFrame, InFlightShare, ProtocolError, decode_ingest,
+    MAX_INGEST_FRAME_BYTES, AggregatorStats, Endpoints, InFlightShare, ProtocolError, decode_ingest,
     encode_delta,
 )
-from actors.registry import FleetRegistry, publish_wait_s
+from actors.aggregator.registry import FleetRegistry, publish_wait_s
 
 logger = logging.getLogger("kvroute.aggregator")
 
 AGGREGATOR_NAME = "kvroute-aggregator"
 _PORTS_KEY = b"kvroute-aggregator-ports"  # Ray internal KV: where the last incarnation listened
 _DRAIN_BATCH = 4096
-# routers long-poll hosted KV logs: no task-event bookkeeping per poll (as WorkerActor.kv_since)
-ray.method(enable_task_events=False)(HostingCalls.kv_since)
-_HOSTED_KEY = "kvroute-aggregator-workers"  # Ray internal KV: the workers it hosts for its node
 
 
 def _node_ip() -> str:
@@ -114,10 +101,10 @@ def _bind(sock: zmq.Socket, host: str, port: int | None) -> int:
 # max_task_retries=-1: calls made while Ray restarts it wait for the new incarnation instead of
 # failing (every method is idempotent), so snapshots and endpoint look-ups resume when it is back.
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
-class Aggregator(HostingCalls):
+class Aggregator:
     """Named, detached, restartable. Holds only soft state: after a restart (same token, same ports
     when free) the workers' next reports (≤ `heartbeat_s`) make it whole, and the new epoch in the
-    published deltas tells routers to resync. Hosts its own node's workers (`HostingCalls`)."""
+    published deltas tells routers to resync."""
 
     def __init__(self, settings: dict[str, Any] | None = None, token: str | None = None) -> None:
         self.settings = Settings.model_validate(settings or {})
@@ -139,110 +126,13 @@ class Aggregator(HostingCalls):
         self._pending = False  # the registry changed since the last published delta
         self.reports = 0
         self.shares = 0
-        self.host_frames = 0
         self.refused: Counter = Counter()
         self.published = 0
         self.published_bytes = 0
         self._last_pub = 0.0
-        self._flush: asyncio.TimerHandle | None = None
-        self._window = FleetWindow(self.settings, time.monotonic())
-        self._window_changed = asyncio.Event()  # set (and replaced) when the fleet-wide window changes
         loop = asyncio.get_running_loop()
         self._task = loop.create_task(self._loop())
-        self._host_own_node()
-        self._orphans = loop.create_task(self._orphan_sweep())
         logger.info("aggregator up, epoch %s, listening on %s", self._registry.epoch, self._bound)
-
-    def _host_own_node(self) -> None:
-        """Host this node's workers in-process; after a restart, the ones remembered (see the module
-        docstring for a restart on another node)."""
-        node = ray.get_runtime_context().get_node_id()
-        self._local_link = LocalLink(self._local_frame)
-        from actors.reservation import release
-        from actors.worker_actor import listen_host
-
-        self._hosting = NodeHosting(AGGREGATOR_NAME, node, self.settings, self._ctx, self._local_link,
-                                    deregister=self.remove, remember=lambda specs: remember(_HOSTED_KEY, node, specs),
-                                    engines=True, listen_host=listen_host, release=release)
-        was_on, specs = remembered(_HOSTED_KEY)
-        if specs and was_on not in (None, node):
-            self._hand_off(was_on, specs)
-            specs = []
-            remember(_HOSTED_KEY, node, [])
-        self._hosting.restore(specs)  # their engines adopted
-        self._hosting.start()
-
-    def _hand_off(self, node: str, specs: list[dict[str, Any]]) -> None:
-        """Restarted on another node: `specs` were hosted on `node`; its own metrics host takes them if
-        `node` is alive (created pinned to it), else they died with it."""
-        try:
-            alive = any(n["NodeID"] == node and n.get("Alive") for n in ray.nodes())
-        except Exception:
-            alive = False
-        names = [s.get("name") for s in specs]
-        if not alive:  # managed ones are re-hosted elsewhere by the orphan sweep; the rest went with it
-            from actors.metrics_host import orphans_key
-
-            remember(orphans_key(node), node, specs)
-            logger.warning("restarted away from node %s, which is gone: its workers %s go to the orphan sweep", node,
-                           names)
-            return
-        from actors.metrics_host import get_or_create_host
-
-        host = get_or_create_host(node, self.settings)
-        for entry in specs:
-            entry = dict(entry)
-            engine, env = entry.pop(ENGINE_KEY, None), entry.pop(ENV_KEY, None)  # that host adopts its engine
-            host.add_worker.remote(entry, engine, env)  # not awaited: the new host reports them as soon as it binds
-        logger.warning("restarted away from node %s: its workers %s handed to that node's metrics host", node, names)
-
-    # --- this node's hosted workers: frames in-process ------------------------------------------
-
-    def _local_frame(self, host: str, incarnation: str, workers: list[str], reports: list[Any]) -> None:
-        """A frame of the hosted workers (the pipe's `LocalLink`): applied at once, published as soon
-        as `publish_interval_s` allows — the host's window was the coalescing, so no second wait."""
-        self.host_frames += 1
-        self.reports += len(reports)
-        self._observe_window(time.monotonic())
-        if self._registry.host_frame(host, incarnation, workers, reports, local=True):
-            self._pending = True
-            self._publish_soon()
-
-    # --- the fleet-wide window (actors.fleet_window) ---------------------------------------------
-
-    def _observe_window(self, now: float) -> None:
-        if self._window.observe(self.reports, now):
-            w = self._window.window_s
-            logger.info("fleet %s (%.0f reports/s): metrics hosts coalesce over %.3f s", "large" if self._window.large
-                        else "small", self._window.rate, w)
-            self._local_link.window_s = w
-            self._window_changed.set()
-            self._window_changed = asyncio.Event()
-
-    async def host_window(self, known: float | None = None, wait_s: float = 30.0) -> float:
-        """The coalescing window metrics hosts use now (`actors.fleet_window`). A long-poll: answers at
-        once if it differs from `known`, else when it changes or after `wait_s`."""
-        if known == self._window.window_s:
-            try:
-                await asyncio.wait_for(self._window_changed.wait(), timeout=min(max(wait_s, 0.0), 300.0))
-            except asyncio.TimeoutError:
-                pass
-        return self._window.window_s
-
-    def _publish_soon(self) -> None:
-        if self._flush is not None:
-            return
-        wait = self.settings.publish_interval_s - (time.monotonic() - self._last_pub)
-        if wait <= 0:
-            self._publish_pending()
-        else:
-            self._flush = asyncio.get_running_loop().call_later(wait, self._publish_pending)
-
-    def _publish_pending(self) -> None:
-        self._flush = None
-        if self._pending:
-            self._publish(self._registry.take_delta() or self._registry.keepalive())
-            self._pending, self._last_pub = False, time.monotonic()
 
     def _listen(self, host: str) -> tuple[str, str]:
         if host not in self._bound:
@@ -286,24 +176,9 @@ class Aggregator(HostingCalls):
                                version=self._registry.version, reports=self.reports, in_flight_shares=self.shares,
                                refused=dict(self.refused), published=self.published,
                                published_bytes=self.published_bytes, endpoints=dict(self._bound),
-                               hosts=self._registry.hosts(), host_frames=self.host_frames,
-                               host_window_s=self._window.window_s, late_reports=self._registry.late_reports)
+                               late_reports=self._registry.late_reports)
 
     # --- hot path (ZeroMQ) --------------------------------------------------------------------
-
-    async def _orphan_sweep(self) -> None:
-        """Every `orphan_sweep_s`: re-host the managed workers whose node died with their host
-        (`actors.metrics_host.rehome_orphans`, in a thread: it waits on Ray)."""
-        from actors.metrics_host import rehome_orphans
-
-        while True:
-            await asyncio.sleep(self.settings.orphan_sweep_s)
-            try:
-                await asyncio.to_thread(rehome_orphans, self.settings)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                logger.exception("orphan sweep failed")
 
     async def _loop(self) -> None:
         """One loop for ingest, publication and time-driven states, so the event loop wakes at most
@@ -311,8 +186,7 @@ class Aggregator(HostingCalls):
         nothing arrives, when a frame does or when something is due (a state threshold, the
         keep-alive after `heartbeat_s` without a delta: `state_tick_s` ≤ the wait ≤ `heartbeat_s`).
         Each wake-up: drain the PULL, re-derive states when due, publish one delta of every worker
-        changed since the last (or a keep-alive). The workers it hosts itself publish from their
-        frames (`_local_frame`), not through this loop."""
+        changed since the last (or a keep-alive)."""
         s, reg, sock = self.settings, self._registry, self._pull
         raw = zmq.Socket.shadow(sock.underlying)  # sync view of the same socket for cheap drains
         token = self._token.encode()
@@ -322,7 +196,6 @@ class Aggregator(HostingCalls):
                 drained = self._drain(raw, reg, token)
                 busy = self._pending  # these frames changed something (not heartbeats alone)
                 now = time.monotonic()
-                self._observe_window(now)
                 wait = publish_wait_s(s, drained, now - last_drain, busy or self._pending)
                 last_drain = now
                 if now - last_tick >= s.state_tick_s:
@@ -369,11 +242,6 @@ class Aggregator(HostingCalls):
             if isinstance(msg, InFlightShare):
                 self.shares += 1
                 self._pending |= reg.report_in_flight(msg.replica, msg.counts)
-                continue
-            if isinstance(msg, HostFrame):
-                self.host_frames += 1
-                self.reports += len(msg.reports)
-                self._pending |= reg.host_frame(msg.host, msg.incarnation, msg.workers, msg.reports)
                 continue
             for r in msg.reports:
                 self.reports += 1
