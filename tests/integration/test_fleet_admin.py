@@ -63,11 +63,10 @@ def test_add_route_remove_without_restarting_the_router(client, tmp_path):
     assert client.delete("/admin/workers/added", headers=admin).status_code == 404
 
 
-def test_an_attach_worker_added_at_run_time_is_hosted_on_its_node_by_the_aggregator(client, tmp_path):
+def test_an_attach_worker_added_at_run_time_gets_its_own_actor_which_removal_stops(client, tmp_path):
     import ray
 
-    from actors.aggregator.actor import AGGREGATOR_NAME
-    from actors.worker.actor import stop_workers
+    from actors.worker.actor import WORKER_ACTOR_PREFIX, stop_workers
     from actors.models import NAMESPACE
     from tests.integration.helpers import HealthServer
 
@@ -78,13 +77,13 @@ def test_an_attach_worker_added_at_run_time_is_hosted_on_its_node_by_the_aggrega
             {"name": "hosted-added", "url": server.url, "metrics_endpoint": f"ipc://{tmp_path}/hosted.metrics"}]})
         assert r.status_code == 200, r.text
         wait_for(lambda: [w["state"] for w in client.get("/workers").json()["workers"]] == ["idle"], 10,
-                 what="the hosted worker in the router's view")
-        # one node here, the aggregator's: the aggregator hosts it (a MetricsHost only on other nodes)
-        agg = ray.get_actor(AGGREGATOR_NAME, namespace=NAMESPACE)
-        assert "hosted-added" in ray.get(agg.hosted_workers.remote(), timeout=10)
+                 what="the added worker in the router's view")
+        actor = ray.get_actor(f"{WORKER_ACTOR_PREFIX}hosted-added", namespace=NAMESPACE)  # detached, named
+        assert ray.get(actor.stats.remote(), timeout=10).name == "hosted-added"
         assert client.delete("/admin/workers/hosted-added", headers=admin).status_code == 200
         wait_for(lambda: client.get("/workers").json()["workers"] == [], 10, what="worker gone")
-        assert "hosted-added" not in ray.get(agg.hosted_workers.remote(), timeout=10)
+        with pytest.raises(ValueError):
+            ray.get_actor(f"{WORKER_ACTOR_PREFIX}hosted-added", namespace=NAMESPACE)
     finally:
         stop_workers(names=["hosted-added"])
         server.close()

@@ -62,13 +62,17 @@ def _push(endpoint: str) -> zmq.Socket:
 
 def test_a_default_fleet_has_one_live_actor_per_worker_and_the_aggregator_hosts_none(agg, fleet):
     import ray
-    from ray.util.state import list_actors
+
+    from actors.models import NAMESPACE
 
     spec, handles, _ = fleet
     names = [w.name for w in spec.expanded()]
-    alive = list_actors(filters=[("state", "=", "ALIVE"), ("class_name", "=", "WorkerActor")], limit=10_000)
-    mine = {a.name: a for a in alive if a.name.removeprefix("kvroute-worker-") in names}
-    assert sorted(mine) == sorted(f"kvroute-worker-{n}" for n in names)
+    named = {e["name"] for e in ray.util.list_named_actors(all_namespaces=True) if e["namespace"] == NAMESPACE}
+    assert {f"kvroute-worker-{n}" for n in names} <= named
+    for n in names:  # each name is a live WorkerActor answering for its worker
+        actor = ray.get_actor(f"kvroute-worker-{n}", namespace=NAMESPACE)
+        assert actor._ray_actor_creation_function_descriptor.class_name == "WorkerActor"
+        assert ray.get(actor.stats.remote(), timeout=10).name == n
     pids = {n: ray.get(h.__ray_call__.remote(lambda self: __import__("os").getpid()), timeout=10)
             for n, h in handles.items()}
     assert len(set(pids.values())) == len(names)  # a process each, none of them the aggregator's
