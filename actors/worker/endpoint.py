@@ -1,6 +1,6 @@
 """Binding a worker's metrics PULL — where SGLang's scheduler connects its KvMetrics PUSH — with
 clear errors naming the worker and the endpoint. Used by every process that receives a worker's
-metrics (its own actor, a node's host, a Serve LLM replica's collector). No Ray import."""
+metrics (its worker actor, or a Serve LLM replica's collector). No Ray import."""
 
 from __future__ import annotations
 

@@ -88,7 +88,7 @@ class MetricsBook:
 
     def rank_metrics(self, page_size: int = 1) -> list[RankMetrics]:
         """`ranks_report` as the `RankMetrics` a report carries, built straight from the latest values
-        (no dict per rank: a host builds these for every changed worker in every window)."""
+        (no dict per rank: built for every push)."""
         now = self.clock()
         out = []
         for m, received_at, seq in self._latest.values():

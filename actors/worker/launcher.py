@@ -126,7 +126,8 @@ def build_command(spec: WorkerSpec, *, host: str, port: int, metrics_endpoint: s
             cmd += ["--dp-size", str(spec.dp_size)]
         env = {SGLANG_METRICS_ENV: metrics_endpoint}
         if spec.python:  # SGLang's own environment: it finds `actors.sglang_launch` in kvroute's source
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (_SOURCE_ROOT, os.environ.get("PYTHONPATH")) if p)
+            rest = spec.env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (_SOURCE_ROOT, rest) if p)
         return cmd + _pd_flags(spec) + _flags({k: v for k, v in spec.engine_args.items() if k != "dp_size"}), env
     raise LaunchError(f"worker {spec.name}: no engine to launch (attach mode)")
 

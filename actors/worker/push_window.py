@@ -35,10 +35,10 @@ class PushWindow:
 
     def __init__(self, what: str, link: AggregatorLink, settings: Settings, wake: asyncio.Event | None = None,
                  heartbeat_s: float | None = None) -> None:
-        self.what = what  # "worker w0" / "host h1", for logs
+        self.what = what  # "worker w0", for logs
         self.link = link
         self.settings = settings
-        self.heartbeat_s = heartbeat_s or settings.heartbeat_s  # (the aggregator's in-process host needs none)
+        self.heartbeat_s = heartbeat_s or settings.heartbeat_s
         self.wake = wake if wake is not None else asyncio.Event()
         self._last_push = 0.0
         self._timer: asyncio.TimerHandle | None = None

@@ -149,6 +149,10 @@ def test_an_sglang_entry_runs_in_the_python_it_names_with_kvroutes_source_on_its
     root = os.path.dirname(os.path.dirname(actors.__file__))
     assert extra[SGLANG_METRICS_ENV] == "ipc:///tmp/sg.metrics"
     assert extra["PYTHONPATH"].split(os.pathsep)[0] == root
+    # the entry's own PYTHONPATH (e.g. a kernel stand-in) follows kvroute's source, not replaced by it
+    with_path = spec.model_copy(update={"env": {"PYTHONPATH": "/opt/extra"}})
+    _, extra = build_command(with_path, host="127.0.0.1", port=30001, metrics_endpoint="ipc:///tmp/sg.metrics")
+    assert extra["PYTHONPATH"] == os.pathsep.join([root, "/opt/extra"])
     # without `python`: kvroute's own interpreter, which has kvroute installed (no PYTHONPATH needed)
     cmd, extra = build_command(spec.model_copy(update={"python": None}), host="127.0.0.1", port=30001,
                                metrics_endpoint="ipc:///tmp/sg.metrics")

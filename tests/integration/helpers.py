@@ -90,7 +90,8 @@ def reregistered(view: dict, names, epoch: str, since_wall: float) -> bool:
 
 
 class BrokenWorker:
-    """A worker whose /health is fine but which answers every POST with `status` (counts them)."""
+    """A worker whose /health and /v1/models are fine but which answers every POST with `status`
+    (counts them)."""
 
     def __init__(self, status: int = 500) -> None:
         self.posts = 0
@@ -100,9 +101,12 @@ class BrokenWorker:
             protocol_version = "HTTP/1.1"  # keep-alive, as SGLang's uvicorn server: probes reuse their connection
 
             def do_GET(self):  # noqa: N802
-                self.send_response(200 if self.path == "/health" else 404)
-                self.send_header("content-length", "0")
+                body = b'{"object": "list", "data": [{"id": "m", "object": "model"}]}' \
+                    if self.path == "/v1/models" else b""
+                self.send_response(200 if self.path in ("/health", "/v1/models") else 404)
+                self.send_header("content-length", str(len(body)))
                 self.end_headers()
+                self.wfile.write(body)
 
             def do_POST(self):  # noqa: N802
                 outer.posts += 1

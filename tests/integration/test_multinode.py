@@ -32,8 +32,8 @@ def test_each_worker_has_its_own_actor_holding_its_gpu_which_its_engine_sees(res
     # one WorkerActor per worker, on the node Ray placed it for its num_gpus; the engine it owns sees the
     # GPU Ray assigned to the actor (each node has one: id 0)
     nodes = result["nodes"]
-    assert result["worker_actors"] == sorted([("kvroute-worker-gpu-0", result["workers"]["gpu-0"]["node"]),
-                                              ("kvroute-worker-gpu-1", result["workers"]["gpu-1"]["node"])])
+    assert result["worker_actors"] == sorted([["kvroute-worker-gpu-0", result["workers"]["gpu-0"]["node"]],
+                                              ["kvroute-worker-gpu-1", result["workers"]["gpu-1"]["node"]]])
     assert sorted(n for _, n in result["worker_actors"]) == sorted([nodes["a"], nodes["b"]])
     assert [w["env"] for w in result["workers"].values()] == ["0", "0"]
 
