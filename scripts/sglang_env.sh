@@ -170,6 +170,13 @@ if tuple(int(x) for x in release.split(".")[:3]) >= (0, 5, 14):
 for m in mods:
     importlib.import_module(m)
 PY
+if [ "$RELEASE" = "0.5.23" ]; then
+  # the real engine's server and scheduler import on the CPU engine, with the lane's test-only
+  # sgl_kernel stand-in (tests/real_engine/cpu_kernels) on the path as the lane's engines have it
+  SGLANG_USE_CPU_ENGINE=1 PYTHONPATH="$PWD/tests/real_engine/cpu_kernels" "$VENV/bin/python" -c \
+    'import sglang.srt.entrypoints.http_server, sglang.srt.managers.scheduler' 2>/dev/null \
+    || { echo "sglang env $RELEASE: SGLang's server does not import on the CPU engine" >&2; exit 1; }
+fi
 echo "$RELEASE $(sha1sum "$0" | cut -c1-12)" > "$STAMP"
 t1=$(date +%s)
 echo "sglang env $RELEASE built in $((t1 - t0)) s, $(du -sh "$VENV" | cut -f1)" >&2
