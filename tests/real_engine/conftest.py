@@ -14,6 +14,28 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
+def lane_root():
+    """One directory per lane run for engines' logs, sockets and fleet files (kept after the run:
+    the logs are what to read when a test fails; pytest's own basetemp is pruned by other runs)."""
+    import tempfile
+    from pathlib import Path
+
+    root = Path(tempfile.mkdtemp(prefix="kvroute-real-engine-"))
+    print(f"real-engine lane: logs in {root}")
+    return root
+
+
+@pytest.fixture(scope="module")
+def workdir(lane_root):
+    def make(name: str):
+        d = lane_root / name
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     """The lane's tiny model (tests/real_engine/tiny_model.py), made once per session."""
     from tests.real_engine import tiny_model

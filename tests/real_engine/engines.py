@@ -80,6 +80,7 @@ class Engine:
     kv_port: int = field(default_factory=free_port)
     replay_port: int = field(default_factory=free_port)
     max_total_tokens: int = MAX_TOTAL_TOKENS
+    served_model_name: str | None = None
     proc: subprocess.Popen | None = None
 
     @property
@@ -103,9 +104,10 @@ class Engine:
         return self.workdir / f"{self.name}.log"
 
     def argv(self) -> list[str]:
+        extra = ["--served-model-name", self.served_model_name] if self.served_model_name else []
         return [sys.executable, "-m", "actors.sglang_launch",
                 *launch_flags(self.model_dir, self.port, self.kv_events_endpoint, self.replay_endpoint,
-                              max_total_tokens=self.max_total_tokens)]
+                              max_total_tokens=self.max_total_tokens, extra=extra)]
 
     def start(self) -> "Engine":
         self.workdir.mkdir(parents=True, exist_ok=True)
