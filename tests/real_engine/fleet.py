@@ -74,7 +74,8 @@ class KvrouteServe:
         except OSError:
             return ""
 
-    def wait_listening(self, timeout_s: float = 180.0) -> None:
+    def wait_listening(self, timeout_s: float = 360.0) -> None:
+        """kvroute serve listens once its workers answered (attach mode asks each for its models)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
