@@ -57,6 +57,44 @@ print(re.sub(r"\s*;.*", "", pins[0]).replace(" ", "") if pins else "transformers
 DEPS="$DEPS $TRANSFORMERS"
 # shellcheck disable=SC2086
 "${PIP[@]}" $DEPS
+if [ "$RELEASE" = "0.5.23" ]; then
+  # The real-engine lane (tests/real_engine, `pytest -m real_engine`) runs SGLang's own server from
+  # this venv: everything else the release declares, less what only runs on a GPU (and less torch,
+  # already pinned, and torchvision, the shim below). timm declares torchvision: installed without
+  # its dependencies (it is imported for vision towers only). Read from the wheel's own metadata so
+  # that a new pin is followed, not copied here.
+  SERVER_DEPS=$("$VENV/bin/python" - <<'PY'
+import importlib.metadata as m
+from packaging.requirements import Requirement
+GPU_ONLY = {
+    "sglang-kernel", "flashinfer-python", "flash-attn-4", "sgl-deep-ep", "sgl-deep-gemm",
+    "sgl-flash-mla", "nvidia-cutlass-dsl", "nvidia-mathdx", "nvshmem4py-cu13", "cuda-python",
+    "humming-kernels", "quack-kernels", "tilelang", "torch-memory-saver", "torchaudio", "torchcodec",
+}
+SEPARATE = {"torch", "torchvision", "timm"}
+out = []
+for raw in m.requires("sglang") or []:
+    req = Requirement(raw)
+    name = req.name.lower().replace("_", "-")
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue  # an extra, or another platform's
+    if name in GPU_ONLY or name in SEPARATE:
+        continue
+    req.extras = set()  # e.g. flashinfer_python[cu13]: no CUDA extras
+    req.marker = None
+    out.append(str(req))
+print(" ".join(out))
+PY
+)
+  # shellcheck disable=SC2086
+  "${PIP[@]}" $SERVER_DEPS
+  TIMM=$("$VENV/bin/python" -c 'import importlib.metadata as m, re
+pins = [r for r in (m.requires("sglang") or []) if re.match(r"timm\b", r)]
+print(re.sub(r"\s*;.*", "", pins[0]).replace(" ", "") if pins else "")')
+  if [ -n "$TIMM" ]; then
+    "${PIP[@]}" --no-deps "$TIMM"
+  fi
+fi
 "${PIP[@]}" -e ".[test]"
 
 _torchvision_shim() {
@@ -132,6 +170,13 @@ if tuple(int(x) for x in release.split(".")[:3]) >= (0, 5, 14):
 for m in mods:
     importlib.import_module(m)
 PY
+if [ "$RELEASE" = "0.5.23" ]; then
+  # the real engine's server and scheduler import on the CPU engine, with the lane's test-only
+  # sgl_kernel stand-in (tests/real_engine/cpu_kernels) on the path as the lane's engines have it
+  SGLANG_USE_CPU_ENGINE=1 PYTHONPATH="$PWD/tests/real_engine/cpu_kernels" "$VENV/bin/python" -c \
+    'import sglang.srt.entrypoints.http_server, sglang.srt.managers.scheduler' 2>/dev/null \
+    || { echo "sglang env $RELEASE: SGLang's server does not import on the CPU engine" >&2; exit 1; }
+fi
 echo "$RELEASE $(sha1sum "$0" | cut -c1-12)" > "$STAMP"
 t1=$(date +%s)
 echo "sglang env $RELEASE built in $((t1 - t0)) s, $(du -sh "$VENV" | cut -f1)" >&2

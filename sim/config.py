@@ -53,6 +53,14 @@ class EngineConfig(BaseModel):
     round_prefill_usage: bool = Field(
         False, description="round token_usage to 2 decimals in prefill reports (SGLang 0.4.9)"
     )
+    round_usage: bool = Field(
+        False, description="round token_usage to 2 decimals in every report, prefill and decode (SGLang "
+        "0.5.23: pool_stats_observer.update_scheduler_stats; seen on the real server)"
+    )
+    decode_keeps_hit_rate: bool = Field(
+        False, description="decode reports carry the last prefill's cache hit rate instead of 0.0 (SGLang "
+        "0.5.23: 'cache_hit_rate is prefill-owned; decode ticks must not reset it'; seen on the real server)"
+    )
     record_kv_events: bool = Field(False, description="collect BlockStored/BlockRemoved events")
 
     @property

@@ -246,6 +246,11 @@ class Engine:
             raise RequestRejected("the prompt is empty: at least one input token is required")
         if max_new_tokens < 0:
             raise RequestRejected(f"max_new_tokens={max_new_tokens} must be >= 0")
+        if len(input_ids) >= self.config.context_length:  # SGLang's tokenizer manager, 0.5.23, checks this first
+            raise RequestRejected(
+                f"The input ({len(input_ids)} tokens) is longer than the model's context length "
+                f"({self.config.context_length} tokens)."
+            )
         total = len(input_ids) + max_new_tokens
         if total > self.config.context_length:
             raise RequestRejected(
@@ -420,7 +425,7 @@ class Engine:
         total = batch.new_tokens + batch.hit_tokens
         self._last_hit_rate = batch.hit_tokens / total if total else 0.0
         usage = self.pool.used_tokens / self.max_total_num_tokens
-        if self.config.round_prefill_usage:
+        if self.config.round_prefill_usage or self.config.round_usage:
             usage = round(usage, 2)
         self._report(
             active=batch.running_before, usage=usage, hit_rate=self._last_hit_rate
@@ -453,7 +458,10 @@ class Engine:
                 outputs.append(TokenOutput(req.rid, token, len(req.output_ids) - 1, False))
         if self.forward_ct_decode % self.config.decode_log_interval == 0:
             usage = self.pool.used_tokens / self.max_total_num_tokens
-            self._report(active=len(batch.reqs), usage=usage, hit_rate=0.0)
+            if self.config.round_usage:
+                usage = round(usage, 2)
+            hit_rate = self._last_hit_rate if self.config.decode_keeps_hit_rate else 0.0
+            self._report(active=len(batch.reqs), usage=usage, hit_rate=hit_rate)
             self._publish_events()
         return outputs
 

@@ -18,6 +18,8 @@ from sim import tokenizer
 class BadRequest(ValueError):
     """A request body the sim refuses with HTTP 400; `param` names the offending field."""
 
+    from_validation = False  # set for a body that failed validation (its HTTP answer has "param": null)
+
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
@@ -109,7 +111,9 @@ def _first_error(exc: ValidationError) -> BadRequest:
     msg = err["msg"]
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
-    return BadRequest(f"{loc}: {msg}" if loc else msg, param=loc or None)
+    out = BadRequest(f"{loc}: {msg}" if loc else msg, param=loc or None)
+    out.from_validation = True
+    return out
 
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:

@@ -194,6 +194,9 @@ class SimServer:
             update={
                 "record_kv_events": config.kv_events_endpoint is not None,
                 "round_prefill_usage": config.wire == "0.4.9",
+                # held to the real 0.5.23 server (tests/real_engine/test_sim_parity.py)
+                "round_usage": config.wire.startswith("0.5.23"),
+                "decode_keeps_hit_rate": config.wire.startswith("0.5.23"),
             }
         )
         self._zmq = zmq.Context()
@@ -483,15 +486,18 @@ class SimServer:
             e2e_s=now - stream.wall_submit,
         )
 
-    def _usage(self, req: SimRequest) -> dict[str, Any]:
+    def _usage(self, req: SimRequest, details: bool = True) -> dict[str, Any]:
         n_in, n_out = len(req.input_ids), len(req.output_ids)
-        return {
+        usage = {
             "prompt_tokens": n_in,
             "total_tokens": n_in + n_out,
             "completion_tokens": n_out,
             "prompt_tokens_details": {"cached_tokens": req.cached_tokens},
             "reasoning_tokens": 0,
         }
+        if details:  # 0.5.23 sends it (null) except in a streamed completion's usage chunk
+            usage["completion_tokens_details"] = None
+        return usage
 
     def _meta_info(self, stream: _Stream, finish_reason: str | None) -> dict[str, Any]:
         req = stream.req
@@ -589,7 +595,8 @@ class SimServer:
         async def _bad_request(request: Request, exc: protocol.BadRequest) -> JSONResponse:
             if request.url.path.startswith("/generate"):
                 return JSONResponse({"error": {"message": exc.message}}, status_code=400)
-            return JSONResponse(protocol.openai_error(exc.message, exc.param), status_code=400)
+            param = None if getattr(exc, "from_validation", False) else exc.param
+            return JSONResponse(protocol.openai_error(exc.message, param), status_code=400)
 
         @app.exception_handler(RequestValidationError)
         async def _invalid_query(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -697,6 +704,13 @@ class SimServer:
                 if want("queues"):
                     load["queues"] = {"waiting": snap["num_waiting_reqs"], "grammar": 0, "paused": 0,
                                       "retracted": 0, "prealloc_ready": 0}
+                if want("disagg"):  # 0.5.23 sends this section on every server ("mode": "null" without PD)
+                    load["disaggregation"] = {
+                        "mode": self.config.disagg.mode if self.config.disagg else "null",
+                        "prefill_bootstrap_queue_reqs": 0, "prefill_inflight_queue_reqs": 0,
+                        "decode_prealloc_queue_reqs": 0, "decode_transfer_queue_reqs": 0,
+                        "decode_retracted_queue_reqs": 0, "kv_transfer_speed_gb_s": 0.0, "kv_transfer_latency_ms": 0.0,
+                    }
                 loads.append(load)
             if format == "prometheus":
                 lines = []
@@ -860,16 +874,19 @@ class SimServer:
             })
 
         finish = "length"
+        ended = False
         async for out in self._tokens(stream):
-            if out.token_id is not None:
-                yield chunk(tokenizer.decode_token(out.token_id))
             if out.finished:
                 finish = out.finish_reason or finish
-        yield chunk("", finish)
+            if out.token_id is not None:  # like 0.5.23: the last token's chunk carries finish_reason
+                yield chunk(tokenizer.decode_token(out.token_id), finish if out.finished else None)
+                ended = ended or out.finished
+        if not ended:
+            yield chunk("", finish)
         self._account(stream, streaming=True)
         if include_usage:
             yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                        "choices": [], "usage": self._usage(stream.req)})
+                        "choices": [], "usage": self._usage(stream.req, details=False)})
         yield _DONE
 
     async def _generate_sse(self, stream: _Stream) -> AsyncIterator[bytes]:

@@ -110,6 +110,36 @@ def test_prefill_report_carries_batch_hit_rate_and_decode_reports_zero():
     assert rec.reports[-1].gpu_prefix_cache_hit_rate == 0.0
 
 
+def test_0_5_23_decode_reports_keep_the_prefill_hit_rate():
+    """SGLang 0.5.23 (seen on the real server, tests/real_engine/test_sim_parity.py): a decode report
+    carries the last prefill batch's hit rate ("cache_hit_rate is prefill-owned")."""
+    engine, rec, clock = make(decode_log_interval=1, decode_keeps_hit_rate=True)
+    engine.submit("a", prompt(17), 2, clock())
+    run_until_idle(engine, clock, clock.advance)
+    engine.submit("b", prompt(17), 3, clock())
+    step(engine, clock)
+    assert rec.reports[-1].gpu_prefix_cache_hit_rate == pytest.approx(16 / 17)
+    step(engine, clock)
+    assert rec.reports[-1].gpu_prefix_cache_hit_rate == pytest.approx(16 / 17)
+
+
+def test_0_5_23_rounds_usage_to_two_decimals_in_every_report():
+    engine, rec, clock = make(page_size=1, max_total_num_tokens=300, decode_log_interval=1, round_usage=True)
+    engine.submit("a", prompt(10), 3, clock())
+    step(engine, clock)  # prefill: 10 of 300 tokens
+    assert rec.reports[-1].gpu_cache_usage_perc == 0.03 and rec.reports[-1].kv_active_blocks == int(0.03 * 300)
+    step(engine, clock)  # decode: 11 of 300 = 0.0367
+    assert rec.reports[-1].gpu_cache_usage_perc == 0.04 and rec.reports[-1].kv_active_blocks == int(0.04 * 300)
+
+
+def test_an_input_as_long_as_the_context_is_refused_with_sglangs_message():
+    engine, _, clock = make(context_length=64)
+    with pytest.raises(RequestRejected, match=r"^The input \(64 tokens\) is longer than the model's context length \(64 tokens\)\.$"):
+        engine.submit("a", prompt(64), 1, clock())
+    with pytest.raises(RequestRejected, match="Requested token count exceeds"):
+        engine.submit("b", prompt(60), 8, clock())
+
+
 # ------------------------------------------------------------------ token accounting
 
 

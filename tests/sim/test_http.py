@@ -146,6 +146,26 @@ def test_completions_stream_and_non_stream(sim):
     assert "".join(texts) == plain["choices"][0]["text"]
 
 
+def test_shapes_held_to_the_real_0_5_23_server(sim):
+    """As SGLang 0.5.23's own server answers (tests/real_engine/test_sim_parity.py compares the two):
+    a streamed completion's last token chunk carries finish_reason (no empty chunk after it) and its
+    usage chunk has no completion_tokens_details, non-streamed usage has it (null), a body failing
+    validation gets "param": null, /v1/loads carries the disaggregation section."""
+    c = sim["client"]
+    with c.stream("POST", "/v1/completions", json={"prompt": "once upon a time", "max_tokens": 3, "stream": True,
+                                                    "stream_options": {"include_usage": True}}) as r:
+        data = [json.loads(d) for d in _sse(r)[:-1]]
+    chunks = [d for d in data if d["choices"]]
+    assert len(chunks) == 3 and all(ch["choices"][0]["text"] for ch in chunks)
+    assert [ch["choices"][0]["finish_reason"] for ch in chunks] == [None, None, "length"]
+    assert "completion_tokens_details" not in data[-1]["usage"] and data[-1]["usage"]["completion_tokens"] == 3
+    plain = c.post("/v1/completions", json={"prompt": "once", "max_tokens": 2}).json()
+    assert "completion_tokens_details" in plain["usage"] and plain["usage"]["completion_tokens_details"] is None
+    bad = c.post("/v1/chat/completions", json={"messages": "not a list"})
+    assert bad.status_code == 400 and bad.json()["param"] is None and bad.json()["type"] == "BadRequestError"
+    assert c.get("/v1/loads").json()["loads"][0]["disaggregation"]["mode"] == "null"
+
+
 def test_generate_native_stream_is_cumulative(sim):
     c = sim["client"]
     body = {"text": "native api", "sampling_params": {"max_new_tokens": 3}}
