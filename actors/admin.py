@@ -14,7 +14,7 @@ from actors.fleet import FleetSpec
 from actors.models import Settings
 from actors.worker.actor import start_worker, stop_workers
 
-READY_TIMEOUT_S = 300.0  # a managed engine loads its model before its actor is ready
+READY_SLACK_S = 60.0  # beyond Settings.engine_start_timeout_s: the actor's own start (Ray placement, imports)
 
 
 class AdminError(RuntimeError):
@@ -32,7 +32,8 @@ async def add_workers(fleet: FleetSpec, settings: Settings) -> list[dict[str, An
     for spec in fleet.expanded():
         try:
             actor = await asyncio.to_thread(start_worker, spec, settings, detached=True)
-            info = await asyncio.wait_for(actor.ready.remote(), timeout=READY_TIMEOUT_S)
+            info = await asyncio.wait_for(actor.ready.remote(),
+                                          timeout=settings.engine_start_timeout_s + READY_SLACK_S)
         except Exception as exc:
             await asyncio.to_thread(stop_workers, names=[spec.name])
             raise AdminError(spec.name, str(exc).strip().splitlines()[-1][:300]) from None

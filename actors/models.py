@@ -69,6 +69,11 @@ class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # worker actor
+    engine_start_timeout_s: float = Field(
+        600.0, gt=0, description="managed mode: how long a worker's engine may take to answer /health 200 after it "
+        "starts (SGLang loads the model and captures graphs first: minutes for a large model) before the worker "
+        "fails with a clear error"
+    )
     push_interval_s: float = Field(0.010, gt=0, description="min gap between metric pushes")
     heartbeat_s: float = Field(0.5, gt=0, description="liveness push period")
     health_interval_s: float = Field(

@@ -563,8 +563,8 @@ def main() -> int:
               f"{r['worker_actor_max']:.2f}; bare async actor {r['bare_actor']:.2f} → "
               f"{r['worker_actor'] - r['bare_actor']:.2f} above the floor), aggregator {r['aggregator']:.2f}, follower "
               f"{r['follower']:.2f}; metrics plane total {plane:.1f} ({plane - (k + 2) * r['bare_actor']:.1f} above "
-              f"{k + 2} actor floors); RSS MB: WorkerActor {r['worker_rss_mb']:.0f} (max {r['worker_rss_max_mb']:.0f}), "
-              f"bare actor {r['bare_rss_mb']:.0f}; liveness probes {r['probes_s']:.2f}/s in all", flush=True)
+              f"{k + 2} actor floors); RSS MB: WorkerActor {r['worker_rss_mb']:.1f} (max {r['worker_rss_max_mb']:.1f}), "
+              f"bare actor {r['bare_rss_mb']:.1f}; liveness probes {r['probes_s']:.2f}/s in all", flush=True)
         if ns.frame_hz:
             print(f"  freshness (SGLang frame sent → value in the follower's workers) p50 / p99 "
                   f"{r['p50']:.1f} / {r['p99']:.1f} ms over {r['samples']} values; the router's view age "

@@ -7,15 +7,17 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from actors.fleet import FleetError, FleetSpec, parse_fleet
 from actors.models import NAMESPACE
-from serve_app.config import ADMIN_KEY_ENV, API_KEY_ENV, APP_NAME, CLI_FLAGS, RouterConfig, load_config
+from serve_app.config import ADMIN_KEY_ENV, API_KEY_ENV, APP_NAME, CLI_FLAGS, RouterConfig, load_config, parse_config
 from serve_app.ray_env import apply_serve_env
 
 log = logging.getLogger("kvroute.cli")
@@ -56,6 +58,7 @@ class FleetRunner:
         import ray
         from ray import serve
 
+        from actors.admin import READY_SLACK_S
         from actors.aggregator.actor import get_or_create_aggregator
         from actors.worker.actor import start_worker
         from serve_app.app import build_app
@@ -89,7 +92,7 @@ class FleetRunner:
                 raise FleetError(_explain(exc)) from None
         for name, actor in self.actors.items():
             try:
-                info = ray.get(actor.ready.remote(), timeout=300)
+                info = ray.get(actor.ready.remote(), timeout=settings.engine_start_timeout_s + READY_SLACK_S)
             except Exception as exc:
                 raise FleetError(_explain(exc)) from None
             self.progress(f"  worker {name}: metrics on {info.metrics_endpoint}, http {info.url}")
@@ -245,6 +248,72 @@ def demo_fleet(n: int, *, tmpdir: str, base_port: int | None = None, wire: str =
     return parse_fleet({"workers": workers}, "demo")
 
 
+SGLANG_DEMO_RELEASE = "0.5.23"  # the release scripts/sglang_env.sh builds the real-engine venv of
+_REPO = Path(__file__).resolve().parents[1]
+# SGLang's server on a machine without a GPU: its CPU engine, the flags known to work there
+# (docs/real-engine.md) and, for the two sgl_kernel functions the CPU path imports, the plain-torch
+# stand-in the real-engine lane uses (tests/real_engine/cpu_kernels: not for production)
+_CPU_ENGINE_ARGS = {"device": "cpu", "dtype": "float32", "attention_backend": "torch_native",
+                    "disable_overlap_schedule": True, "max_total_tokens": 8192, "max_running_requests": 8,
+                    "mem_fraction_static": 0.05}
+
+
+def sglang_python(given: str | None = None) -> Path:
+    """The Python of SGLang's environment for `demo --engine sglang`: `given`, else the venv that
+    `scripts/sglang_env.sh 0.5.23` builds (under $SGLANG_ENV_DIR, the checkout's .venv-sglang, or
+    ~/.cache/kvroute/venv-sglang). FleetError naming the places looked at if there is none."""
+    if given:
+        p = Path(given)
+        if not (p.is_file() and os.access(p, os.X_OK)):
+            raise FleetError(f"--sglang-python {given}: not an executable file")
+        return p
+    roots = [os.environ.get("SGLANG_ENV_DIR"), str(_REPO / ".venv-sglang"),
+             str(Path.home() / ".cache" / "kvroute" / "venv-sglang")]
+    tried = []
+    for root in filter(None, roots):
+        p = Path(root) / SGLANG_DEMO_RELEASE / "bin" / "python"
+        tried.append(str(p))
+        if p.is_file() and (p.parents[1] / ".kvroute-ready").is_file():
+            return p
+    raise FleetError("demo --engine sglang needs SGLang's environment: build it with `scripts/sglang_env.sh "
+                     f"{SGLANG_DEMO_RELEASE}` (~4 GB, a few minutes) or name one with --sglang-python; looked for "
+                     + ", ".join(tried))
+
+
+def tiny_model(python: Path, directory: Path) -> Path:
+    """The real-engine lane's tiny random Llama (tests/real_engine/tiny_model.py: deterministic, no
+    network), made once in `directory` with SGLang's Python (it needs torch and transformers)."""
+    r = subprocess.run([str(python), "-c", "import sys; from tests.real_engine.tiny_model import ensure; "
+                        "print(ensure(sys.argv[1]))", str(directory)], cwd=_REPO, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise FleetError(f"could not make the tiny model in {directory}: {r.stderr.strip()[-500:]}")
+    return Path(r.stdout.strip().splitlines()[-1])
+
+
+def sglang_demo_fleet(n: int, *, tmpdir: str, python: Path, model: Path, cpu: bool) -> FleetSpec:
+    """N real SGLang servers, each launched by its worker actor in SGLang's own Python; exact prefix
+    mode (KV events, the model's own tokenizer). `cpu`: SGLang's CPU engine (no GPU here)."""
+    env = {"SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(_REPO / "tests" / "real_engine" / "cpu_kernels")} if cpu else {}
+    workers = [{
+        "name": f"sglang-{i}", "engine": "sglang", "model": str(model), "python": str(python), "env": env,
+        "page_size": 16, "metrics_endpoint": f"ipc://{tmpdir}/sglang-{i}.metrics", "kv_events_endpoint": "auto",
+        "engine_args": {**(_CPU_ENGINE_ARGS if cpu else {}), "enable_cache_report": True, "sleep_on_idle": True},
+    } for i in range(n)]
+    return parse_config({"workers": workers, "router": {"tokenizer": f"hf:{model}", "block_size": 16}}, "demo")
+
+
+def _demo_sglang(ns: argparse.Namespace, tmp: str) -> FleetSpec:
+    import shutil
+
+    python = sglang_python(ns.sglang_python)
+    model = Path(ns.model) if ns.model else tiny_model(python, Path.home() / ".cache" / "kvroute" / "tiny-model")
+    cpu = shutil.which("nvidia-smi") is None
+    print(f"kvroute demo: {ns.workers} real SGLang {SGLANG_DEMO_RELEASE} server(s) of {model} in {python}"
+          + (" (CPU engine: no GPU here)" if cpu else ""), flush=True)
+    return sglang_demo_fleet(ns.workers, tmpdir=tmp, python=python, model=model, cpu=cpu)
+
+
 def cmd_demo(ns: argparse.Namespace) -> int:
     if ns.workers < 1:
         print("kvroute: --workers must be at least 1", file=sys.stderr)
@@ -260,9 +329,16 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     if not 1 <= ns.dp_size <= 64:
         print("kvroute: --dp-size must be 1..64", file=sys.stderr)
         return 2
+    if ns.engine == "sglang" and (models or ns.dp_size > 1):
+        print("kvroute: --models and --dp-size are for the simulated workers (--engine sim)", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="kvroute-demo-") as tmp:
-        fleet = demo_fleet(ns.workers, tmpdir=tmp, wire=ns.wire, time_scale=ns.time_scale, models=models,
-                           dp_size=ns.dp_size)
+        try:
+            fleet = _demo_sglang(ns, tmp) if ns.engine == "sglang" else demo_fleet(
+                ns.workers, tmpdir=tmp, wire=ns.wire, time_scale=ns.time_scale, models=models, dp_size=ns.dp_size)
+        except FleetError as exc:
+            print(f"kvroute: {exc}", file=sys.stderr)
+            return 2
         return _run(fleet, ns, live_table=not ns.no_table)
 
 
@@ -358,6 +434,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--dp-size", type=int, default=1, help="attention-DP ranks per simulated worker: the router "
                    "picks worker and rank (default 1)")
     d.add_argument("--no-table", action="store_true", help="do not draw the live worker table")
+    d.add_argument("--engine", choices=["sim", "sglang"], default="sim", help="sim: simulated workers (default); "
+                   "sglang: SGLang's real server, in the environment scripts/sglang_env.sh builds (on a machine "
+                   "without a GPU, its CPU engine serving a tiny model made on the spot)")
+    d.add_argument("--model", default=None, help="with --engine sglang: the model directory (default: the tiny "
+                   "random Llama of the real-engine lane, made once in ~/.cache/kvroute/tiny-model)")
+    d.add_argument("--sglang-python", default=None, help="with --engine sglang: the Python of SGLang's environment "
+                   "(default: the venv of scripts/sglang_env.sh 0.5.23)")
     common(d)
     d.set_defaults(func=cmd_demo)
 

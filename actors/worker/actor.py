@@ -76,6 +76,7 @@ class WorkerActor:
             port = int(self.spec.url.rsplit(":", 1)[1]) if self.spec.url else None
             self.proc = ManagedProcess(self.spec, metrics_endpoint=self.endpoint, port=port,
                                        host=listen_host(self.spec.host),
+                                       health_timeout_s=self.settings.engine_start_timeout_s,
                                        on_change=self._on_process_change)
             self.url = self.proc.url
             self._launch = loop.create_task(self.proc.launch())
