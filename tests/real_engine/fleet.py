@@ -16,14 +16,11 @@ import httpx
 
 from tests.real_engine.engines import PAGE_SIZE, REPO, Engine, free_port
 
-# SGLang 0.5.23's /health sleeps 1 s before it looks for its health-check generation, so every
-# probe takes >= 1 s; kvroute's default probe timeout (1.0 s) then flaps both workers (issue 31).
-# Until kvroute's default fits, the fleet file raises it, as a user must.
-HEALTH_TIMEOUT_S = 3.0
 MODEL_NAME = "tiny"
 
 
-def fleet_yaml(engines: list[Engine], model_dir: Path, *, health_timeout_s: float = HEALTH_TIMEOUT_S) -> str:
+def fleet_yaml(engines: list[Engine], model_dir: Path) -> str:
+    """kvroute's default settings: its liveness probe fits SGLang's >= 1 s /health (issue 31)."""
     lines = ["workers:"]
     for e in engines:
         lines += [
@@ -35,8 +32,6 @@ def fleet_yaml(engines: list[Engine], model_dir: Path, *, health_timeout_s: floa
             f"    page_size: {PAGE_SIZE}",
         ]
     lines += [
-        "settings:",
-        f"  health_timeout_s: {health_timeout_s}",
         "router:",
         f"  tokenizer: hf:{model_dir}",
         f"  block_size: {PAGE_SIZE}",
