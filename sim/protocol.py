@@ -60,6 +60,7 @@ class ChatCompletionRequest(_Lenient):
     rid: StrictStr | None = None
     routed_dp_rank: int | None = None  # pins an attention-DP rank (sim.dp)
     data_parallel_rank: int | None = None  # its deprecated alias (0.4.9: the only name)
+    lora_path: Union[list[StrictStr | None], StrictStr, None] = None  # an adapter (sim.lora)
 
     @field_validator("n")
     @classmethod
@@ -80,6 +81,7 @@ class CompletionRequest(_Lenient):
     rid: StrictStr | None = None
     routed_dp_rank: int | None = None  # pins an attention-DP rank (sim.dp)
     data_parallel_rank: int | None = None  # its deprecated alias (0.4.9: the only name)
+    lora_path: Union[list[StrictStr | None], StrictStr, None] = None  # an adapter (sim.lora)
 
     @field_validator("n")
     @classmethod
@@ -101,6 +103,7 @@ class GenerateRequest(_Lenient):
     rid: StrictStr | None = None
     routed_dp_rank: int | None = None  # pins an attention-DP rank (sim.dp)
     data_parallel_rank: int | None = None  # its deprecated alias (0.4.9: the only name)
+    lora_path: Union[list[StrictStr | None], StrictStr, None] = None  # an adapter (sim.lora)
 
 
 def _first_error(exc: ValidationError) -> BadRequest:
