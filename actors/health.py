@@ -1,6 +1,6 @@
 """One worker's liveness as its hosting process sees it: the HTTP /health probe, when it is due
 (passive liveness: a worker whose KvMetrics frames keep arriving is alive, so it is probed only
-slowly), and (attach mode) model discovery through `GET /v1/models`. Shared by the per-worker actor
+slowly), (attach mode) model discovery and (every mode) its LoRA adapters through `GET /v1/models`. Shared by the per-worker actor
 and the node's host (a metrics host, or the aggregator for its own node). No Ray import."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Callable
 import httpx
 
 from actors.models import Settings
+from actors.protocol import Adapter
 
 logger = logging.getLogger("kvroute.worker")
 
@@ -30,9 +31,12 @@ def probe_client(settings: Settings) -> httpx.AsyncClient:
 
 
 class HealthProbe:
-    """`healthy`/`detail` of worker `name`, and the model names it serves (`models`: as declared,
-    else — `discover` — what its /v1/models lists once healthy). `on_change()` is called when
-    liveness or the model list changes (the caller pushes a report at once)."""
+    """`healthy`/`detail` of worker `name`, the model names it serves (`models`: as declared,
+    else — `discover` — what its /v1/models lists once healthy) and the LoRA adapters it has loaded
+    (`adapters`: its /v1/models entries with a `parent`, SGLang's form, asked again at every probe
+    that finds it healthy, so an adapter loaded or unloaded at run time is seen within a probe
+    interval). `on_change()` is called when liveness, the model list or the adapters change (the
+    caller pushes a report at once)."""
 
     def __init__(self, name: str, settings: Settings, http: httpx.AsyncClient, on_change: Callable[[], None], *,
                  models: list[str], discover: bool) -> None:
@@ -41,6 +45,7 @@ class HealthProbe:
         self._http = http
         self._on_change = on_change
         self.models = list(models)
+        self.adapters: list[Adapter] = []
         self._discover = discover
         self.healthy = False
         self.detail = "not probed yet"
@@ -87,11 +92,10 @@ class HealthProbe:
             return
         self._timeouts = 0
         if code == 200:
-            if not self.models and self._discover:
-                # asked before it is reported healthy: a report in between (the actor pushes one as
-                # soon as it is woken) would show a healthy worker with no model — a candidate for
-                # every model's requests until its list arrived
-                await self._ask_models(url)
+            # asked before it is reported healthy: a report in between (the actor pushes one as
+            # soon as it is woken) would show a healthy worker with no model — a candidate for
+            # every model's requests until its list arrived — or without its adapters
+            await self._ask_models(url)
             self.set(True, "ok")
         else:
             self.set(False, f"/health returned {code}")
@@ -109,18 +113,35 @@ class HealthProbe:
         return (await self._http.get(f"{url}/health")).status_code
 
     async def _ask_models(self, url: str) -> None:
-        """Attach mode without `served_model_names`: what the worker's `GET /v1/models` lists (asked at
-        each probe until it answers; until then the worker reports no model)."""
+        """What the worker's `GET /v1/models` lists: its LoRA adapters (entries with a `parent`, as
+        SGLang lists each loaded adapter), and — attach mode without `served_model_names` — its model
+        names (the other entries; asked at each probe until it answers, until then the worker
+        reports no model). A failed answer changes nothing."""
         try:
             r = await self._http.get(f"{url}/v1/models")
-            ids = [m["id"] for m in r.json()["data"]] if r.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            data = r.json()["data"] if r.status_code == 200 else None
+            entries = [(m["id"], m.get("parent"), m.get("root")) for m in data] if isinstance(data, list) else None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
             logger.debug("worker %s: /v1/models not answered (%s)", self.name, type(exc).__name__)
             return
-        ok = isinstance(ids, list) and all(isinstance(i, str) and 0 < len(i) <= 256 for i in ids)
-        if not ok or not ids:
+        ok = entries is not None and all(isinstance(i, str) and 0 < len(i) <= 256 for i, _, _ in entries)
+        if not ok:
             logger.debug("worker %s: /v1/models gave no usable model list (HTTP %s)", self.name, r.status_code)
             return
-        self.models = list(dict.fromkeys(ids))[:64]
-        logger.info("worker %s serves %s (its /v1/models)", self.name, ", ".join(self.models))
-        self._on_change()
+        changed = False
+        seen: dict[str, Adapter] = {}
+        for i, parent, root in entries:
+            if parent and i not in seen:
+                seen[i] = Adapter(i, root[:4096] if isinstance(root, str) else "")
+        adapters = list(seen.values())[:1024]
+        if adapters != self.adapters:
+            logger.info("worker %s: LoRA adapters %s (its /v1/models)", self.name,
+                        ", ".join(a.name for a in adapters) or "none")
+            self.adapters, changed = adapters, True
+        ids = [i for i, parent, _ in entries if not parent]
+        if ids and self._discover and not self.models:
+            self.models = list(dict.fromkeys(ids))[:64]
+            logger.info("worker %s serves %s (its /v1/models)", self.name, ", ".join(self.models))
+            changed = True
+        if changed:
+            self._on_change()
