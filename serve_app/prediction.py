@@ -77,13 +77,15 @@ class PredictionCheck:
         if w.verdict == "overpredicted":
             return (f"worker {worker}: kvroute predicted {w.w_predicted} cached prompt tokens over its last {n} "
                     f"requests, the engine reported {w.w_cached}: predicted prefix hits are not happening. "
-                    f"Likely causes: the router's tokenizer or chat template differs from the engine's (exact mode), "
-                    f"router.block_size is not the engine's --page-size, or the engine's cache was flushed or it "
-                    f"restarted")
+                    f"Likely causes: router.block_size is smaller than the engine's --page-size (SGLang caches "
+                    f"whole pages only), the engine's cache was flushed or the engine restarted, its cache keeps "
+                    f"less than assumed (prefix_index.cache_share), or prompts alike as text are not alike as the "
+                    f"engine's tokens (its chat template)")
         return (f"worker {worker}: the engine reported {w.w_cached} cached prompt tokens over its last {n} requests, "
                 f"kvroute predicted {w.w_predicted}: prefix affinity is blind to this worker's cache. Likely causes: "
-                f"the router's prefix index lost its state (a router restart), exact mode is not following the "
-                f"worker's KV events, or other clients send to this worker directly")
+                f"the router's tokenizer or chat template is not the engine's (exact mode: its blocks never match "
+                f"the engine's), exact mode is not following the worker's KV events, the router's prefix index "
+                f"lost its state (a restart), or other clients send to this worker directly")
 
     def _verdict(self, w: _Worker) -> str:
         c = self.config
