@@ -108,28 +108,31 @@ def with_stream_usage(raw: bytes, body: dict[str, Any]) -> tuple[bytes, dict[str
 
 class UsageStrip:
     """Removes the usage event the router asked for from a relayed chat/completion stream and keeps
-    its usage. Feed every piece to `piece`, relay what it returns."""
+    its usage. Feed every piece to `piece`, relay what it returns. A piece that ends inside an event
+    keeps that event's start back until its end arrives (a client cannot use half an event either;
+    a piece normally ends on an event's end, and then nothing is held)."""
 
     __slots__ = ("usage", "_held")
 
     def __init__(self) -> None:
         self.usage: Usage | None = None
-        self._held = b""  # a usage event whose end has not arrived yet
+        self._held = b""  # the start of an event whose end has not arrived yet
 
     def piece(self, data: bytes) -> bytes:
         if self._held:
             data = self._held + data
             self._held = b""
+        if not data.endswith(b"\n\n"):
+            i = data.rfind(b"\n\n")
+            cut = 0 if i < 0 else i + 2
+            data, self._held = data[:cut], data[cut:]
         m = _USAGE_OBJECT.search(data)
         if m is None:
             return data
-        start = data.rfind(b"data:", 0, m.start())
-        start = 0 if start < 0 else start
-        end = data.find(b"\n\n", m.end())
-        if end < 0:  # the event goes on in the next piece: hold it back
-            self._held = data[start:]
-            return data[:start]
-        end += 2
+        # event boundaries: every event ends with a blank line, which no JSON payload contains
+        start = data.rfind(b"\n\n", 0, m.start())
+        start = 0 if start < 0 else start + 2
+        end = data.find(b"\n\n", m.end()) + 2
         self.usage = stream_usage(data[start:end], "")
         return data[:start] + data[end:]
 
