@@ -91,7 +91,8 @@ def test_a_probe_on_a_connection_the_worker_just_closed_is_asked_again_before_it
     probe = HealthProbe("w", Settings(), httpx.AsyncClient(transport=httpx.MockTransport(flaky)), lambda: None,
                         models=["m"], discover=False)
     asyncio.run(go(probe))
-    assert probe.healthy and calls == ["/health", "/health"]
+    # (then its /v1/models: the LoRA adapters, asked at every probe that finds it healthy)
+    assert probe.healthy and calls == ["/health", "/health", "/v1/models"]
 
     def refused(request: httpx.Request) -> httpx.Response:
         calls.append("refused")
