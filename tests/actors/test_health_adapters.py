@@ -43,3 +43,18 @@ def test_a_declared_model_list_is_kept_while_adapters_are_still_discovered():
                         models=["alias"], discover=False)
     asyncio.run(probe.probe("http://w:1"))
     assert probe.models == ["alias"] and [a.name for a in probe.adapters] == ["x"]
+
+
+def test_the_registry_publishes_a_workers_adapters_and_a_change_of_them_bumps_it():
+    from actors.protocol import WorkerReport, decode_delta, encode_delta
+    from actors.registry import FleetRegistry
+
+    reg = FleetRegistry(Settings())
+    base = dict(name="w", url="http://w", page_size=16, incarnation="i", healthy=True)
+    reg.report(WorkerReport(**base, adapters=[Adapter("a", "/p/a")]))
+    snap = decode_delta(encode_delta(reg.snapshot()))
+    assert snap.workers[0].adapters == [Adapter("a", "/p/a")]
+    reg.take_delta()
+    assert reg.report(WorkerReport(**base, adapters=[]))  # unloaded: a change
+    delta = reg.take_delta()
+    assert delta is not None and delta.workers[0].adapters == []
