@@ -277,3 +277,18 @@ async def test_an_adapter_loaded_at_run_time_is_routed_to_after_the_next_probe()
         # unloaded: still routed where it was, and SGLang loads it again there
         status, hdrs, _ = await f.post("/v1/chat/completions", chat("base:new"))
         assert status == 200 and hdrs["x-kvroute-worker"] == "w1"
+
+
+def test_the_banner_prints_a_request_that_works_on_the_fleet_at_hand(capsys):
+    from serve_app.cli import _print_banner
+
+    _print_banner("http://r", RouterConfig(), ["meta-llama/Llama-3.1-8B-Instruct"])
+    out = capsys.readouterr().out
+    body = json.loads(out.split("-d '", 1)[1].split("'\n", 1)[0])
+    assert body["model"] == "meta-llama/Llama-3.1-8B-Instruct"
+    assert "model='meta-llama/Llama-3.1-8B-Instruct'" in out
+    _print_banner("http://r", RouterConfig(), [])  # names discovered at run time: none needed, or the router's
+    out = capsys.readouterr().out
+    assert "model" not in json.loads(out.split("-d '", 1)[1].split("'\n", 1)[0])
+    assert "model=client.models.list().data[0].id" in out
+    assert "default" not in out.split("curl:", 1)[1]
