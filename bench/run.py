@@ -144,6 +144,9 @@ SUITES: dict[str, dict[str, Any]] = {
         "workers": 4,
         "engine": {**ENGINE, "enable_lora": True, "max_loras_per_batch": 8},
         "lora_adapters": 8,
+        # one actor per worker: its report carries the adapters its probe discovers (the node
+        # hosting path, actors/hosting.py, is being retired and does not report them)
+        "settings": {"metrics_hosting": "worker"},
         "reps": 2,
         "duration_s": 30.0,
         "warmup_s": 3.0,
@@ -550,11 +553,11 @@ def main(argv: list[str] | None = None) -> int:
         router_args = {**router_args, **parse_router_overrides(ns.router)}
         suite["router"] = router_args
         overrides.append("router=" + ",".join(ns.router))
-    plane: dict[str, Any] = {}
+    plane: dict[str, Any] = dict(suite.get("settings") or {})
     if ns.settings:
         from bench.overrides import parse_router_overrides
 
-        plane = parse_router_overrides(ns.settings, "--settings")
+        plane = {**plane, **parse_router_overrides(ns.settings, "--settings")}
         suite["settings"] = plane
         overrides.append("settings=" + ",".join(ns.settings))
     dump = Path(ns.dump).resolve() if ns.dump else None
