@@ -418,5 +418,6 @@ def test_the_demo_banner_names_a_model_the_fleet_serves(capsys):
     _print_banner("http://127.0.0.1:1", RouterConfig(), ["A", "B"])
     out = capsys.readouterr().out
     assert "models: A, B" in out and '"model": "A"' in out and "model='A'" in out and "default" not in out
-    _print_banner("http://127.0.0.1:1", RouterConfig())  # a model-agnostic demo: any name works
-    assert '"model": "default"' in capsys.readouterr().out
+    _print_banner("http://127.0.0.1:1", RouterConfig())  # names discovered at run time: none in curl
+    out = capsys.readouterr().out
+    assert '"model"' not in out and "model=client.models.list().data[0].id" in out
