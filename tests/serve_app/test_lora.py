@@ -292,3 +292,24 @@ def test_the_banner_prints_a_request_that_works_on_the_fleet_at_hand(capsys):
     assert "model" not in json.loads(out.split("-d '", 1)[1].split("'\n", 1)[0])
     assert "model=client.models.list().data[0].id" in out
     assert "default" not in out.split("curl:", 1)[1]
+
+
+def test_exact_mode_overlap_is_the_engines_own_per_adapter_cache():
+    """Exact mode: what a worker's KV events say it caches, in the namespace of the adapter they name."""
+    from sim.tokenizer import apply_chat_template
+
+    core, _ = make_core({"w0": (["M"], ["a", "b"]), "w1": (["M"], ["a", "b"])}, tokenizer="sim")
+    core.kv_follower = SimpleNamespace(synced={"w0", "w1"}, applied_at={})  # type: ignore[assignment]
+    body = chat("M:a", "q")
+    ids = apply_chat_template(body["messages"])
+    n = (len(ids) // 16) * 16
+    core.exact.apply("w1", [BlockStored(tuple(range(1000, 1000 + n // 16)), None, tuple(ids[:n]), 16, lora_name="a")])
+    _, req = core.decide(core.facts(body), model="M", adapter="a")
+    assert req.overlap.get("w1", 0) == n // 16 and req.overlap.get("w0", 0) == 0
+    _, req = core.decide(core.facts(chat("M:b", "q")), model="M", adapter="b")
+    assert not req.overlap.get("w1", 0)  # the same tokens under another adapter: not cached
+    receipt: dict = {}
+    core.decide(core.facts(body), model="M", adapter="a", receipt=receipt)
+    by = {c["target"]: c for c in receipt["candidates"]}
+    assert by["w1"]["overlap_source"] == "kv_events" and by["w1"]["overlap_blocks"] == n // 16
+    assert receipt["adapter"] == "a"
