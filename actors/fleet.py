@@ -65,7 +65,8 @@ class WorkerSpec(BaseModel):
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
         description="extra server flags, snake_case (tp_size → --tp-size); kvroute sets --host, --port, "
-        "--page-size, --enable-metrics and --kv-events-config itself",
+        "--page-size, --enable-metrics, --kv-events-config and (engine: sglang, unless given here) "
+        "--enable-cache-report itself",
     )
     env: dict[str, str] = Field(
         default_factory=dict, max_length=256,

@@ -97,6 +97,13 @@ class KvEventsStatus(msgspec.Struct, array_like=True, frozen=True):
     detail: ShortText = ""  # why the subscription is silent (only when it is)
 
 
+class Adapter(msgspec.Struct, array_like=True, frozen=True):
+    """A LoRA adapter a worker has loaded, as its /v1/models lists it (`id`, `root`, with `parent`)."""
+
+    name: Name
+    path: Annotated[str, msgspec.Meta(max_length=4096)] = ""
+
+
 class WorkerReport(msgspec.Struct, array_like=True, frozen=True):
     """What a worker actor knows about its worker: registration, liveness and latest ranks.
     Every report is whole (no deltas), so a restarted aggregator is rebuilt by the next ones."""
@@ -115,6 +122,8 @@ class WorkerReport(msgspec.Struct, array_like=True, frozen=True):
     role: Literal["prefill", "decode", "both"] = "both"  # PD disaggregation role (docs/pd.md)
     bootstrap_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None  # role prefill: its bootstrap port
     dp_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1  # attention-DP ranks (the fleet entry's dp_size)
+    # the LoRA adapters it has loaded: its /v1/models entries with a `parent` (SGLang's form), by name
+    adapters: Annotated[list[Adapter], msgspec.Meta(max_length=1024)] = []
 
 
 class ReportBatch(msgspec.Struct, tag="r", array_like=True, frozen=True):
@@ -156,6 +165,7 @@ class WorkerUpdate(msgspec.Struct, array_like=True, frozen=True):
     role: str = "both"  # PD disaggregation role: prefill | decode | both
     bootstrap_port: int | None = None  # role prefill: its --disaggregation-bootstrap-port
     dp_size: int = 1  # attention-DP ranks: each is a routing target of its own when > 1
+    adapters: list[Adapter] = []  # the LoRA adapters it has loaded
 
 
 class MetricsUpdate(msgspec.Struct, array_like=True, frozen=True):

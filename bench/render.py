@@ -20,7 +20,8 @@ GOAL_WORKLOADS = ("shared_prefix", "multi_turn")
 CONTROL = "no_sharing"
 TARGET_ORDER = ["direct", "serve-random", "kvroute-round_robin", "kvroute-power_of_two", "kvroute-least_loaded",
                 "kvroute-kv_aware", "kvroute-kv_aware-exact", "sglang-round_robin", "sglang-power_of_two", "sglang-cache_aware", "ray-prefix"]
-WORKLOAD_TITLES = {"shared_prefix": "shared prefix", "multi_turn": "multi-turn chat", "no_sharing": "no sharing (control)"}
+WORKLOAD_TITLES = {"shared_prefix": "shared prefix", "multi_turn": "multi-turn chat", "no_sharing": "no sharing (control)",
+                   "multi_lora": "multi-LoRA (8 adapters, Zipf, shared system prompt)"}
 
 
 def _order(names) -> list[str]:
@@ -370,8 +371,14 @@ def _markdown(doc, agg, rates, targets, oh, goals, plots) -> str:
     L.append("\nWorkloads:\n")
     for w, spec in cfg["workloads"].items():
         L.append(f"- **{w}**: rates {spec['rates']} req/s; " + ", ".join(f"{k}={v}" for k, v in spec["params"].items()))
-    L.append("  (multi-turn: conversations start as a Poisson process at rate/turns; each turn resends the whole "
-             "history including the previous assistant replies as received, after an exponential think time.)")
+    if "multi_turn" in cfg["workloads"]:
+        L.append("  (multi-turn: conversations start as a Poisson process at rate/turns; each turn resends the whole "
+                 "history including the previous assistant replies as received, after an exponential think time.)")
+    if "multi_lora" in cfg["workloads"]:
+        L.append("  (multi_lora: one system prompt shared by every request, each for one of the adapters "
+                 "(`model: \"kvroute-sim:loraK\"`, SGLang's form), drawn with Zipf popularity; every worker has all "
+                 "of them loaded (/load_lora_adapter before the trials). The engines cache the system prompt once "
+                 "per adapter: as text every request shares it, only the adapter says where it is cached.)")
     L.append("\nTargets:\n")
     for t in doc.get("targets", []):
         L.append(f"- `{t['name']}` — {t['label']}" + (f". {t['notes']}" if t.get("notes") else ""))

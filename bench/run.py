@@ -135,6 +135,27 @@ SUITES: dict[str, dict[str, Any]] = {
         "ingest_args": [], "decision_args": [],
         "budget_s": 1200,
     },
+    "lora": {
+        # multi-LoRA serving (issue 33): every worker has the same 8 adapters loaded (at run time,
+        # /load_lora_adapter, so kvroute discovers them from /v1/models); one 2k-token system prompt
+        # shared by every request, adapters drawn with Zipf popularity. The engines cache the prompt
+        # once per adapter (SGLang's radix cache keeps adapters apart): a pool of 12k tokens holds
+        # ~5 of the 8 copies, so where each adapter's requests land decides whether they hit
+        "workers": 4,
+        "engine": {**ENGINE, "enable_lora": True, "max_loras_per_batch": 8},
+        "lora_adapters": 8,
+        "reps": 2,
+        "duration_s": 30.0,
+        "warmup_s": 3.0,
+        "drain_s": 30.0,
+        "workloads": {"multi_lora": {"rates": [12], "params": {"adapters": 8, "zipf_s": 1.0, "system_tokens": 2048,
+                                                                "question_tokens": 128, "output_tokens": 64}}},
+        "targets": ["kvroute-kv_aware", "kvroute-round_robin", "sglang-cache_aware-nodelay"],
+        "overhead": {"concurrency": [1], "requests": {"1": 20}, "reps": 1, "max_tokens": 1,
+                     "targets": ["kvroute-kv_aware", "sglang-cache_aware-nodelay"]},
+        "ingest_args": [], "decision_args": [],
+        "budget_s": 900,
+    },
     "mooncake": {  # the real-trace replay alone (development; the standard suite runs it too)
         "workers": 4,
         "engine": MC_ENGINE,
@@ -529,11 +550,11 @@ def main(argv: list[str] | None = None) -> int:
         router_args = {**router_args, **parse_router_overrides(ns.router)}
         suite["router"] = router_args
         overrides.append("router=" + ",".join(ns.router))
-    plane: dict[str, Any] = {}
+    plane: dict[str, Any] = dict(suite.get("settings") or {})
     if ns.settings:
         from bench.overrides import parse_router_overrides
 
-        plane = parse_router_overrides(ns.settings, "--settings")
+        plane = {**plane, **parse_router_overrides(ns.settings, "--settings")}
         suite["settings"] = plane
         overrides.append("settings=" + ",".join(ns.settings))
     dump = Path(ns.dump).resolve() if ns.dump else None
@@ -558,6 +579,11 @@ def main(argv: list[str] | None = None) -> int:
         doc["startup_s"] = round(time.monotonic() - t0, 1)
         doc["targets"] = [{"name": t.name, "label": t.label, "notes": t.notes} for t in targets]
         progress(f"fleet and {len(targets)} targets up in {doc['startup_s']} s: {', '.join(t.name for t in targets)}")
+        if suite.get("lora_adapters"):
+            from bench.workloads import lora_names
+
+            asyncio.run(fleet.load_adapters(lora_names(suite["lora_adapters"]), targets))
+            progress(f"{suite['lora_adapters']} LoRA adapters loaded on every worker and seen by the kvroute targets")
         profile = Path(ns.profile).resolve() if ns.profile else None
         if profile is not None:
             profile.mkdir(parents=True, exist_ok=True)

@@ -540,6 +540,25 @@ class BenchFleet:
 
         await asyncio.gather(*(one(u) for u in self.worker_urls.values()))
 
+    async def load_adapters(self, names: list[str], targets: list[Target], timeout_s: float = 60.0) -> None:
+        """Load LoRA adapters `names` on every worker (SGLang's /load_lora_adapter), then wait until
+        every kvroute target's /workers shows them on every worker (its probes read /v1/models)."""
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            for url in self.worker_urls.values():
+                for name in names:
+                    r = await client.post(url + "/load_lora_adapter", json={"lora_name": name, "lora_path": f"/lora/{name}"})
+                    if r.status_code != 200:
+                        raise RuntimeError(f"{url}: /load_lora_adapter {name}: {r.status_code} {r.text[:200]}")
+            deadline = time.monotonic() + timeout_s
+            for t in targets:
+                while True:
+                    view = await self.kvroute_workers(client, t)
+                    if view is None or all(set(names) <= set(w.get("adapters", ())) for w in view):
+                        break
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{t.name}: adapters not discovered within {timeout_s:.0f} s")
+                    await asyncio.sleep(0.5)
+
     async def poke(self, client: httpx.AsyncClient) -> None:
         """One tiny request straight to every worker (not through any router), after a flush: each
         worker runs a prefill batch and so emits a fresh KvMetrics report showing it empty. Without

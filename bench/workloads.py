@@ -15,6 +15,10 @@ in every process; different seeds give disjoint texts (no accidental sharing acr
 - `multi_turn`: C conversations of T turns; every turn resends the whole history (a unique
   per-conversation context, every earlier user turn and every earlier assistant reply).
 - `no_sharing`: unique prompts, nothing reusable across requests (the control).
+- `multi_lora`: one long system prompt shared by every request, each request for one of A LoRA
+  adapters (`model: "<base>:<adapter>"`, SGLang's form) drawn with Zipf popularity — the engine
+  caches the system prompt once per adapter (its radix cache keeps adapters apart), so text
+  alone says every request shares it, and only the adapter says where it is cached.
 - `mooncake`: a replay of Mooncake's FAST'25 conversation trace (real traffic from Kimi's service,
   a copy in `bench/data/mooncake/`): arrivals, input and output lengths and the prefix-sharing structure
   from the trace, with time compressed and lengths scaled to fit the fleet (see `mooncake`).
@@ -179,6 +183,37 @@ def no_sharing(seed: int, rate: float, duration_s: float, *, prompt_tokens: int 
                  {"prompt_tokens": prompt_tokens, "output_tokens": output_tokens})
 
 
+LORA_BASE = "kvroute-sim"  # the bench fleet's model (bench.targets): requests name "<it>:<adapter>"
+
+
+def lora_names(adapters: int) -> list[str]:
+    return [f"lora{k}" for k in range(adapters)]
+
+
+def multi_lora(seed: int, rate: float, duration_s: float, *, adapters: int = 8, zipf_s: float = 1.0,
+               system_tokens: int = 2048, question_tokens: int = 128, output_tokens: int = 12) -> Trace:
+    """One system prompt for all, a distinct question each; adapter k (0-based) drawn with weight
+    1/(k+1)^zipf_s; Poisson arrivals. `Session.group` is the adapter's index."""
+    if adapters < 1:
+        raise ValueError("adapters must be ≥ 1")
+    rng = random.Random(f"multi_lora/{seed}")
+    text = _Text(rng)
+    n = _count(rate, duration_s)
+    system = text.words_text(system_tokens, prefix=f"shared {seed}")
+    names = lora_names(adapters)
+    weights = [1.0 / (k + 1) ** zipf_s for k in range(adapters)]
+    picks = rng.choices(range(adapters), weights=weights, k=n)
+    starts = _poisson_starts(rng, rate, n)
+    sessions = tuple(
+        Session(f"ml{seed}-{i}", t, system, (Turn(text.words_text(question_tokens, prefix=f"{i}"), output_tokens),),
+                k, model=f"{LORA_BASE}:{names[k]}")
+        for i, (k, t) in enumerate(zip(picks, starts))
+    )
+    return Trace("multi_lora", seed, rate, duration_s, sessions,
+                 {"adapters": adapters, "zipf_s": zipf_s, "system_tokens": system_tokens,
+                  "question_tokens": question_tokens, "output_tokens": output_tokens})
+
+
 MOONCAKE_BLOCK = 512  # tokens per hash id in the trace
 
 
@@ -291,6 +326,7 @@ WORKLOADS: dict[str, Callable[..., Trace]] = {
     "multi_turn": multi_turn,
     "no_sharing": no_sharing,
     "mooncake": mooncake,
+    "multi_lora": multi_lora,
 }
 
 

@@ -150,7 +150,7 @@ class KvRouter:
     async def route(self, request: Request, send: Send) -> None:
         guards.check_client(request, self.config)
         _, body = await guards.json_body(request, self.config)
-        facts, policy, model = self.forwarder.routing_input(request, body)
+        facts, policy, model, adapter = self.forwarder.routing_input(request, body)
         try:
             if self.core.disaggregated(model):  # a prefill + decode pair (docs/pd.md)
                 pair = decide_pair(self.core, facts, policy, model)
@@ -158,13 +158,15 @@ class KvRouter:
                 await send_json(send, 200, {**pair.as_json(), "model": model,
                                             "models": rec.models if rec is not None else []})
                 return
-            d, _ = self.core.decide(facts, policy, model=model)
+            receipt: dict[str, Any] = {}  # (the route receipt: /route is the decision's own diagnostic)
+            d, _ = self.core.decide(facts, policy, model=model, adapter=adapter, receipt=receipt)
         except NoWorkerAvailable as exc:
             raise HttpError(503, str(exc), code="no_worker", headers={"retry-after": "1"}) from None
         rec = self.follower.workers.get(d.worker)
         await send_json(send, 200, {"worker": d.worker, "rank": d.rank, "url": d.url, "policy": d.policy,
-                                    "reason": d.reason,
-                                    "model": model, "models": rec.models if rec is not None else []})
+                                    "reason": d.reason, "model": model, "adapter": adapter,
+                                    "models": rec.models if rec is not None else [],
+                                    "candidates": receipt["candidates"]})
 
     def _proxy_route(self, path: str) -> Handler:
         async def proxy(request: Request, send: Send) -> None:

@@ -208,20 +208,26 @@ def _run(fleet: FleetSpec, ns: argparse.Namespace, *, live_table: bool) -> int:
 
 
 def _print_banner(url: str, router: RouterConfig, models: list[str] | None = None) -> None:
+    """The startup banner: a request that works on the fleet at hand — a model it declares (any name
+    would do on a single-model fleet, as with SGLang, unless strict_models), or, when the workers'
+    names are discovered at run time, none in curl (a single-model fleet needs none) and the first
+    one the router lists in the SDK snippet."""
     auth = ' -H "Authorization: Bearer $KVROUTE_API_KEY"' if router.api_key else ""
-    model = models[0] if models else "default"  # a fleet that declares models answers other names with 404
     print(f"\nkvroute is listening on {url}  (policy {router.policy}; Ctrl-C to stop)\n")
     if models:
         print(f"  models: {', '.join(models)}")
     print("  curl:")
     print(f"    curl -s {url}/v1/chat/completions{auth} -H 'content-type: application/json' \\")
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16})
-    print(f"      -d '{body}'")
+    body: dict = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}
+    if models:
+        body = {"model": models[0], **body}
+    print(f"      -d '{json.dumps(body)}'")
     print("  openai SDK:")
     print("    from openai import OpenAI")
     key = "os.environ['KVROUTE_API_KEY']" if router.api_key else "'unused'"
     print(f"    client = OpenAI(base_url='{url}/v1', api_key={key})")
-    print(f"    client.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hello'}}])")
+    model = repr(models[0]) if models else "client.models.list().data[0].id"
+    print(f"    client.chat.completions.create(model={model}, messages=[{{'role': 'user', 'content': 'Hello'}}])")
     print(f"  workers: {url}/workers   health: {url}/healthz   status: kvroute status --url {url}\n", flush=True)
 
 
@@ -298,7 +304,7 @@ def sglang_demo_fleet(n: int, *, tmpdir: str, python: Path, model: Path, cpu: bo
     workers = [{
         "name": f"sglang-{i}", "engine": "sglang", "model": str(model), "python": str(python), "env": env,
         "page_size": 16, "metrics_endpoint": f"ipc://{tmpdir}/sglang-{i}.metrics", "kv_events_endpoint": "auto",
-        "engine_args": {**(_CPU_ENGINE_ARGS if cpu else {}), "enable_cache_report": True, "sleep_on_idle": True},
+        "engine_args": {**(_CPU_ENGINE_ARGS if cpu else {}), "sleep_on_idle": True},
     } for i in range(n)]
     return parse_config({"workers": workers, "router": {"tokenizer": f"hf:{model}", "block_size": 16}}, "demo")
 

@@ -47,6 +47,7 @@ from serve_app.breaker import BreakerConfig
 from serve_app.ledger import LedgerConfig
 from serve_app.policies import DEFAULT_POLICY
 from serve_app.policies.kv_aware import KvAwareConfig
+from serve_app.prediction import PredictionCheckConfig
 from serve_app.prefix_index import KvEventIndex, PrefixIndex
 from serve_app.request_facts import DEFAULT_FACTS, FactsConfig
 
@@ -147,6 +148,30 @@ class PrefixIndexConfig(BaseModel):
                 "fresh_window_s": self.fresh_window_s}
 
 
+class PredictionCheckSettings(BaseModel):
+    """The router checking its predicted prefix reuse against the engine's `cached_tokens`
+    (`serve_app.prediction`): when a worker's predictions count as diverging."""
+
+    model_config = _SECTION
+
+    enabled: bool = Field(True, description="read the engine's usage.prompt_tokens_details.cached_tokens from "
+                          "every answer (asking a chat/completion stream for its usage chunk, which is not relayed "
+                          "unless the client asked for it) and compare it with the router's prediction")
+    window: int = Field(PredictionCheckConfig().window, ge=1,
+                        description="requests per worker the judgement looks at (the newest)")
+    min_tokens: int = Field(PredictionCheckConfig().min_tokens, ge=1,
+                            description="judge only once the window's larger side (predicted or engine-reported "
+                            "cached prompt tokens) holds this many")
+    ratio: float = Field(PredictionCheckConfig().ratio, gt=0, lt=1,
+                         description="diverging when one side of the window is below this share of the other: a "
+                         "warning names the worker and the likely cause")
+    warn_interval_s: float = Field(PredictionCheckConfig().warn_interval_s, ge=0,
+                                   description="at most one warning per worker this often while it keeps diverging")
+
+    def check_config(self) -> PredictionCheckConfig:
+        return PredictionCheckConfig(self.window, self.min_tokens, self.ratio, self.warn_interval_s)
+
+
 class RequestFactsConfig(BaseModel):
     """How a text prompt becomes blocks; the block size itself is `router.block_size`."""
 
@@ -164,6 +189,10 @@ class RouterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     policy: str = Field(DEFAULT_POLICY, description="default policy; the x-kvroute-policy header overrides it")
+    strict_models: bool = Field(
+        False, description="a `model` no worker declares is 404 model_not_found on a single-model fleet too "
+        "(OpenAI's rule); false: a single-model fleet answers any `model` and none, as SGLang does (a "
+        "multi-model fleet always answers 404 for a name no worker serves)")
     api_key: str | None = Field(
         None, description=f"Bearer key for every route but /healthz, ≥ 8 characters (env {API_KEY_ENV})"
     )
@@ -238,6 +267,9 @@ class RouterConfig(BaseModel):
     request_facts: RequestFactsConfig = Field(
         default_factory=RequestFactsConfig, description="how prompts become blocks"
     )
+    prediction_check: PredictionCheckSettings = Field(
+        default_factory=PredictionCheckSettings,
+        description="predicted prefix reuse checked against the engines' cached_tokens")
 
     @model_validator(mode="before")
     @classmethod

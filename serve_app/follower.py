@@ -18,7 +18,7 @@ import zmq.asyncio
 
 from actors.models import sum_ranks
 from actors.protocol import (
-    MAX_DELTA_FRAME_BYTES, FleetDelta, KvEventsStatus, ManagedEngine, ProtocolError, decode_delta,
+    MAX_DELTA_FRAME_BYTES, Adapter, FleetDelta, KvEventsStatus, ManagedEngine, ProtocolError, decode_delta,
 )
 from actors.transport.readable import SocketWatch
 from actors.transport.retry import Backoff, reconnecting
@@ -52,6 +52,7 @@ class WorkerRecord(msgspec.Struct, kw_only=True):
     role: str = "both"  # PD disaggregation role: prefill | decode | both (docs/pd.md)
     bootstrap_port: int | None = None  # role prefill: its --disaggregation-bootstrap-port
     dp_size: int = 1  # attention-DP ranks (the fleet entry's dp_size): > 1 → one routing target per rank
+    adapters: list[Adapter] = []  # the LoRA adapters it has loaded (its /v1/models entries with a parent)
     rank_at: dict[int, float] = {}  # local monotonic time of each rank's newest frame
 
     def managed_view(self) -> dict[str, Any] | None:
@@ -163,7 +164,7 @@ class FleetFollower:
                 updated_at=wall, in_flight_by_replica=w.in_flight_by_replica,  # freshly decoded: ours to keep
                 managed=w.managed, kv_events_actor=w.kv_events_actor, kv_events=w.kv_events,
                 models=w.models, role=w.role, bootstrap_port=w.bootstrap_port, dp_size=w.dp_size,
-                rank_at=_rank_times(w.ranks, None if age is None else now - age),
+                adapters=w.adapters, rank_at=_rank_times(w.ranks, None if age is None else now - age),
             )
             changed.append(w.name)
             if carried:

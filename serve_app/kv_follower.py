@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Awaitable, Callable
 
 from actors.protocol import KvLogAnswer
@@ -26,6 +27,7 @@ class KvFollower:
         self.backoff_max_s = backoff_s if backoff_max_s is None else backoff_max_s  # None: a fixed delay
         self._tasks: dict[str, asyncio.Task] = {}
         self.synced: set[str] = set()  # workers whose index entries are current (exact overlap applies)
+        self.applied_at: dict[str, float] = {}  # worker → when its last answer was applied (time.monotonic)
         self.resyncs = 0
 
     def ensure(self, worker: str, actor_name: str) -> None:
@@ -37,6 +39,7 @@ class KvFollower:
         if task is not None:
             task.cancel()
         self.synced.discard(worker)
+        self.applied_at.pop(worker, None)
         self.index.remove_worker(worker)
 
     async def stop(self) -> None:
@@ -53,6 +56,7 @@ class KvFollower:
             self.resyncs += 1
         for entry in answer.entries:
             self.index.apply(worker, entry.events, entry.rank)
+        self.applied_at[worker] = time.monotonic()
 
     async def _follow(self, worker: str, actor_name: str) -> None:
         backoff = Backoff(self.backoff_s, self.backoff_max_s)

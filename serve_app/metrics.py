@@ -115,6 +115,19 @@ class RouterMetrics:
             "free up (router.admission; only held requests are observed)", buckets=_LATENCY_BUCKETS, registry=r)
         self.retries = Counter("kvroute_retries", "Attempts retried on another worker, by failed worker",
                                ["worker"], registry=r)
+        # the router checking its predictions (serve_app.prediction): engine-reported vs predicted reuse
+        self.prompt_tokens = Counter("kvroute_prompt_tokens", "Prompt tokens of answered requests, as the "
+                                     "engine counted them (usage.prompt_tokens)", ["worker", "model"], registry=r)
+        self.cached_tokens = Counter("kvroute_prompt_tokens_cached", "Prompt tokens the engine served from its "
+                                     "prefix cache (usage.prompt_tokens_details.cached_tokens)", ["worker", "model"],
+                                     registry=r)
+        self.predicted_cached_tokens = Counter(
+            "kvroute_prompt_tokens_predicted_cached", "Prompt tokens kvroute predicted the chosen worker's cache "
+            "would serve (the blocks the ledger charged as cached)", ["worker", "model"], registry=r)
+        self.prediction_error = Histogram(
+            "kvroute_prompt_cache_prediction_error", "Per request: (predicted − engine-reported cached tokens) / "
+            "prompt tokens; > 0 predicted hits that did not happen, < 0 hits that were not predicted", ["worker"],
+            buckets=(-1.0, -0.75, -0.5, -0.25, -0.1, -0.01, 0.01, 0.1, 0.25, 0.5, 0.75, 1.0), registry=r)
         self.breaker_opened = Counter("kvroute_breaker_opened", "Times a worker's breaker opened", ["worker"],
                                       registry=r)
         r.register(_FleetCollector(core, breakers))

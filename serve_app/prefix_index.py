@@ -44,6 +44,15 @@ BlockHasher = Callable[[int, Sequence[int]], int]
 """(parent block's hash — 0 for the first block —, this block's token ids) → this block's hash."""
 
 
+def namespace_salt(lora_name: str | None) -> int:
+    """What a LoRA adapter's block keys are XORed with in both indexes (0: the base model's own
+    namespace). SGLang's radix cache keeps each adapter's KV apart (its `extra_key` holds the
+    adapter's lora_id) and names the adapter in its KV events (`BlockStored.lora_name`), so a
+    prefix cached for one adapter is never a hit for another or for the base model. Keyed per
+    process, like the text hashes: the indexes and the requests are hashed in the same one."""
+    return hash(("kvroute-lora", lora_name)) if lora_name else 0
+
+
 def default_block_hash(parent: int, tokens: Sequence[int]) -> int:
     """Chained hash of one token block: deterministic across processes (ints hash to themselves)."""
     return hash((parent, tuple(tokens)))
@@ -583,6 +592,9 @@ class KvEventIndex:
         if bs != self.block_tokens or len(ev.token_ids) < n * bs:
             self.skipped_blocks += n
             return
+        # a LoRA adapter's blocks are keyed in its namespace (`namespace_salt`): the chain is hashed as
+        # the router hashes a prompt, each key XORed with the salt (a parent's key unsalted again)
+        salt = namespace_salt(ev.lora_name)
         if ev.parent_block_hash is None:
             parent = 0
         else:
@@ -591,10 +603,12 @@ class KvEventIndex:
                 self.unknown_parents += 1
                 self.skipped_blocks += n
                 return
+            parent ^= salt
         toks = ev.token_ids
         holders = self._holders
         for k, eh in enumerate(ev.block_hashes):
-            own = self._hash(parent, toks[k * bs : (k + 1) * bs])
+            chain = self._hash(parent, toks[k * bs : (k + 1) * bs])
+            own = chain ^ salt
             if eh not in src:
                 if len(src) >= self.max_blocks_per_source:
                     self.skipped_blocks += n - k
@@ -608,7 +622,7 @@ class KvEventIndex:
                 else:
                     e[worker] = 1
                     e.membership_changed()
-            parent = own
+            parent = chain
 
     def _drop(self, worker: str, own: int) -> None:
         e = self._holders.get(own)

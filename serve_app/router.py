@@ -20,10 +20,11 @@ from serve_app.follower import FleetFollower, WorkerRecord
 from serve_app.ledger import Ledger, refresh_fleet
 from serve_app.policies import POLICIES, Decision, RouteRequest, WorkerView, get_policy
 from serve_app.policies.base import NoWorkerAvailable, target_name
-from serve_app.policies.kv_aware import KvAware
+from serve_app.policies.kv_aware import KvAware, worker_terms
 from serve_app.policies.fleet import FleetView
 from serve_app.kv_follower import KvFollower
-from serve_app.prefix_index import KvEventIndex, PrefixIndex
+from serve_app.prefix_index import KvEventIndex, PrefixIndex, namespace_salt
+from serve_app.prediction import PredictionCheck
 from serve_app.prompt_tokens import body_token_ids, load_tokenizer
 from serve_app.request_facts import facts_from_body
 
@@ -45,6 +46,15 @@ class UnknownModel(LookupError):
 
 class ModelRequired(ValueError):
     """A request without `model` on a fleet that serves several (→ 400)."""
+
+
+def request_adapter(body: Any) -> str | None:
+    """The LoRA adapter a body's `lora_path` names (a list — a batch —: its first named entry; the
+    model's `base:adapter` form, which SGLang prefers, is read by `RouterCore.resolve`)."""
+    lp = body.get("lora_path") if isinstance(body, dict) else None
+    if isinstance(lp, list):
+        lp = next((a for a in lp if isinstance(a, str) and a), None)
+    return lp if isinstance(lp, str) and lp else None
 
 
 def base_view(rec: WorkerRecord, hot_blocks: int = 0, reused_blocks: int = 0, rank: int | None = None,
@@ -110,6 +120,12 @@ class RouterCore:
         self._served: dict[str, tuple[str, ...]] = {}  # worker → its model names (absent: unknown)
         self._by_model: dict[str, set[str]] = {}  # model name → workers declaring it
         self._agnostic: set[str] = set()  # workers that declare no model: candidates for any
+        # LoRA: worker → the adapters it has loaded now (its /v1/models entries with a parent), and
+        # every adapter it was seen with (SGLang loads an unloaded adapter again when a request names it)
+        self._adapters: dict[str, frozenset[str]] = {}
+        self._adapters_ever: dict[str, set[str]] = {}
+        self._adapter_roots: dict[str, str] = {}  # adapter name → its path (`root` in /v1/models)
+        self.predictions = PredictionCheck(config.prediction_check.check_config())
         # model name → the name its prefix-index keys are salted with: one per alias class (names some
         # worker declares together are one model); None: recomputed at the next use (`_alias_roots`)
         self._key_names: dict[str, str] | None = {}
@@ -143,6 +159,8 @@ class RouterCore:
             targets = None if rec is None else _targets_of(rec)
             old = self._targets.get(name)
             if self._index_models(name, tuple(rec.models) if rec is not None else None) or old != targets:
+                self._model_fleets.clear()
+            if self._index_adapters(name, rec):
                 self._model_fleets.clear()
             role = (rec.role, rec.bootstrap_port) if rec is not None and rec.role != "both" else None
             if self._roles.get(name) != role:
@@ -259,6 +277,30 @@ class RouterCore:
             self._served.pop(worker, None)
         return True
 
+    def _index_adapters(self, worker: str, rec: WorkerRecord | None) -> bool:
+        """Index `worker`'s loaded LoRA adapters (None: it left). True if they changed."""
+        if rec is None:
+            self._adapters_ever.pop(worker, None)
+            self.predictions.remove_worker(worker)
+            return self._adapters.pop(worker, None) is not None
+        names = frozenset(a.name for a in rec.adapters)
+        if self._adapters.get(worker, frozenset()) == names:
+            return False
+        self._adapters[worker] = names
+        self._adapters_ever.setdefault(worker, set()).update(names)
+        for a in rec.adapters:
+            self._adapter_roots[a.name] = a.path
+        return True
+
+    def adapters(self, model: str | None = None) -> dict[str, tuple[str, int]]:
+        """The LoRA adapters loaded on the workers of `model` (None: any): name → (path, workers)."""
+        workers = self.serving(model) if model is not None else self._adapters.keys()
+        out: dict[str, int] = {}
+        for w in workers:
+            for a in self._adapters.get(w, ()):
+                out[a] = out.get(a, 0) + 1
+        return {a: (self._adapter_roots.get(a, a), n) for a, n in sorted(out.items())}
+
     def served_models(self) -> list[str]:
         """Every model name the fleet serves (aliases included), sorted."""
         return sorted(self._by_model)
@@ -278,9 +320,42 @@ class RouterCore:
                 return next(iter(groups))[0]
             raise ModelRequired(f"this fleet serves several models, name one in `model`: "
                                 f"{', '.join(self.served_models())}")
-        if name not in self._by_model and not self._agnostic:
-            raise UnknownModel(name, self.served_models())
-        return name
+        if name in self._by_model or self._agnostic:
+            return name
+        if not self.config.strict_models:
+            only = self._only_model()
+            if only is not None:  # as SGLang, which never checks a chat/completion's `model`
+                return only
+            for m in sorted(self._by_model):  # SGLang serves an adapter's bare name with its base model
+                if name in self.adapters(m):
+                    return m
+        raise UnknownModel(name, self.served_models())
+
+    def _only_model(self) -> str | None:
+        """The fleet's one model (its least declared name) when every declared name is one model (its
+        aliases: names some worker declares together), else None."""
+        names = self._key_names
+        if names is None:
+            names = self._key_names = _alias_roots(self._served.values())
+            self._key_classes = len(set(names.values()))
+        return min(names) if self._key_classes == 1 else None
+
+    def resolve(self, name: str | None, body: Any = None) -> tuple[str | None, str | None]:
+        """The (model, LoRA adapter) a request is routed for. `model: "<base>:<adapter>"` is SGLang's
+        LoRA form (`serving_base._parse_model_parameter`: a served name followed by ":" is cut off
+        whole, else the name splits at its first ":"), and beats the body's `lora_path`; a name some
+        worker declares whole (colons and all) is a model. The base part is a model name like any
+        other (`resolve_model`: a single-model fleet takes any). Raises what `resolve_model` does."""
+        adapter = None
+        if name is not None and ":" in name and name not in self._by_model:
+            base = next((m for m in sorted(self._by_model, key=len, reverse=True) if name.startswith(m + ":")), None)
+            rest = name[len(base) + 1:] if base is not None else name.split(":", 1)[1]
+            if base is None:
+                base = name.split(":", 1)[0].strip()
+            adapter = rest.strip() or None
+            name = base
+        model = self.resolve_model(name)
+        return model, adapter if adapter is not None else request_adapter(body)
 
     def metric_model(self, model: str | None) -> str:
         """The `model` label of a request's metrics: its model when some worker declares it, else ""
@@ -299,26 +374,31 @@ class RouterCore:
         """How many workers declare `model`."""
         return len(self._by_model.get(model, ()))
 
-    def _prefix_keys(self, block_hashes: tuple[int, ...], model: str | None) -> tuple[int, ...]:
+    def _prefix_keys(self, block_hashes: tuple[int, ...], model: str | None,
+                     adapter: str | None = None) -> tuple[int, ...]:
         """The approximate index's keys of a prompt's blocks: (model, block) when the fleet serves
-        several models, so a prefix sent to a model-B worker never attracts a model-A request. A
+        several models, so a prefix sent to a model-B worker never attracts a model-A request, and
+        (adapter, block) for a LoRA request — SGLang's radix cache keeps each adapter's KV apart
+        (`Req.extra_key` += lora_id), so two adapters sharing a system prompt share no cache. A
         model's aliases (names a worker declares together) share one key: a prefix sent as `B` is
         in the cache a `b-alias` request reaches."""
-        if model is None or len(self._by_model) < 2 or not block_hashes:
+        if not block_hashes:
             return block_hashes
-        names = self._key_names
-        if names is None:
-            names = self._key_names = _alias_roots(self._served.values())
-            self._key_classes = len(set(names.values()))
-        if self._key_classes < 2:  # one model under several names: its aliases share its entries
+        salt = namespace_salt(adapter)
+        if model is not None and len(self._by_model) >= 2:
+            names = self._key_names
+            if names is None:
+                names = self._key_names = _alias_roots(self._served.values())
+                self._key_classes = len(set(names.values()))
+            if self._key_classes >= 2:  # (one model under several names: its aliases share its entries)
+                salt ^= hash(("kvroute-model", names.get(model, model)))
+        if not salt:
             return block_hashes
-        model = names.get(model, model)
         last = self._last_keys  # (a request's decision and its booking ask for the same keys)
-        if last[0] is block_hashes and last[1] == model:
+        if last[0] is block_hashes and last[1] == salt:
             return last[2]
-        salt = hash(("kvroute-model", model))
         keys = tuple(map(salt.__xor__, block_hashes))  # (C loop: every block of every request)
-        self._last_keys = (block_hashes, model, keys)
+        self._last_keys = (block_hashes, salt, keys)
         return keys
 
     def refresh_remote(self) -> None:
@@ -350,16 +430,23 @@ class RouterCore:
         refresh_fleet(self._view_sink, self._base, self.ledger, also=hot)  # type: ignore[arg-type]
         return self.fleet
 
-    def _model_group(self, model: str | None, role: str | None = None) -> tuple[frozenset[str], FleetView]:
+    def _model_group(self, model: str | None, role: str | None = None,
+                     adapter: str | None = None) -> tuple[frozenset[str], FleetView]:
         """The workers a request for `model` (None: any model) may go to — with `role`, only those of
-        that PD role — and the fleet view of just them (call after `views()`; the whole fleet's view
-        when they are all of it)."""
-        group = ("*" if model is None else model if model in self._by_model else None, role)
+        that PD role; with a LoRA `adapter`, only those that have it loaded (else those that had it:
+        SGLang loads an unloaded adapter again on use; else all of the model's, and the engine gives
+        its own answer — SGLang's 400 for an adapter it never loaded, or the reply, if it has loaded
+        it since its last /v1/models) — and the fleet view of just them (call after `views()`; the
+        whole fleet's view when they are all of it)."""
+        group = ("*" if model is None else model if model in self._by_model else None, role, adapter)
         hit = self._model_fleets.get(group)
         if hit is None:
             names = frozenset({v.worker or v.name for v in self.fleet} if model is None else self.serving(model))
             if role is not None:
                 names = frozenset(n for n in names if self._roles.get(n, ("both",))[0] == role)
+            if adapter is not None:
+                names = frozenset(n for n in names if adapter in self._adapters.get(n, ())) \
+                    or frozenset(n for n in names if adapter in self._adapters_ever.get(n, ())) or names
             whole = all((v.worker or v.name) in names for v in self.fleet)
             hit = self._model_fleets[group] = (names, None if whole else
                                                FleetView([v for v in self.fleet if (v.worker or v.name) in names]))
@@ -398,13 +485,14 @@ class RouterCore:
             get_policy(name)  # raises UnknownPolicy listing the valid names
         return p
 
-    def _group_policy(self, name: str | None, model: str | None, role: str | None) -> Any:
+    def _group_policy(self, name: str | None, model: str | None, role: str | None,
+                      adapter: str | None = None) -> Any:
         """The policy instance for one group of workers — a model's, a PD side's: each keeps its own
         (a round_robin cycle shared by both PD sides would pair the same workers for ever, and one
         shared by two models' requests arriving in turn would send each model's requests to the
         same worker of it; sglang-router keeps one per side, and one router per model)."""
         policy = self.policy(name)
-        key = (model, role, policy.name)
+        key = (model, role, policy.name, adapter)
         p = self._group_policies.get(key)
         if p is None:
             p = self._group_policies[key] = KvAware(self.config.kv_aware) if policy.name == "kv_aware" \
@@ -413,20 +501,24 @@ class RouterCore:
 
     def decide(
         self, request: RouteRequest, policy_name: str | None = None, exclude: set[str] | frozenset[str] = frozenset(),
-        model: str | None = None, role: str | None = None,
+        model: str | None = None, role: str | None = None, adapter: str | None = None,
+        receipt: dict[str, Any] | None = None,
     ) -> tuple[Decision, RouteRequest]:
         """Pick a worker serving `model` (a `resolve_model` answer; None: any worker) — with `role`
         (prefill | decode), only among the workers of that PD role — never one in `exclude` (e.g.
         already failed for this request). Returns the decision and the request with the prefix
         overlap it was decided on — pass that one to `on_routed`, so the ledger charges only the
-        blocks the worker must still prefill."""
-        policy = self.policy(policy_name) if model is None and role is None \
-            else self._group_policy(policy_name, model, role)
+        blocks the worker must still prefill. `adapter`: a LoRA adapter (`resolve`): only workers
+        with it loaded, prefix affinity in its own cache namespace. `receipt` (a dict, only when asked:
+        `x-kvroute-explain`) is filled with every candidate's cost terms, overlap and input ages as the
+        decision saw them (`_receipt`); without one nothing more is computed."""
+        policy = self.policy(policy_name) if model is None and role is None and adapter is None \
+            else self._group_policy(policy_name, model, role, adapter)
         if request.block_hashes:
-            request = request.with_overlap(self._overlap(request.block_hashes, model))
+            request = request.with_overlap(self._overlap(request.block_hashes, model, adapter))
         fleet = self.views()
-        if model is not None or role is not None:  # only the model's (role's) workers: the policy sees just them
-            serving, fleet = self._model_group(model, role)
+        if model is not None or role is not None or adapter is not None:  # the policy sees just those workers
+            serving, fleet = self._model_group(model, role, adapter)
             if not serving or (exclude and serving <= exclude):
                 what = f"{role} worker" if role else "worker"
                 raise NoWorkerAvailable(
@@ -451,17 +543,65 @@ class RouterCore:
             finally:
                 for v in hidden:
                     fleet.update(v)
+        if receipt is not None:
+            receipt.update(self._receipt(request, decision, policy, fleet, exclude, model, adapter))
         if self._dlog is not None:
             self._log_decision(request, decision,
                                [v for v in fleet if (v.worker or v.name) not in exclude] if exclude else fleet)
         return decision, request
 
-    def _overlap(self, block_hashes: tuple[int, ...], model: str | None) -> Any:
-        """Per target, the leading blocks of this prompt it is believed to hold."""
-        overlap = self.prefix.overlap(self._prefix_keys(block_hashes, model))
+    def _receipt(self, request: RouteRequest, decision: Decision, policy: Any, fleet: Any,
+                 exclude: set[str] | frozenset[str], model: str | None, adapter: str | None) -> dict[str, Any]:
+        """A route receipt: the decision, and per candidate (every target the policy saw) its state,
+        predicted overlap (and whether it is the engine's own, exact mode), the kv_aware cost with its
+        request-independent terms, its load as the router saw it, and the age of each input: the
+        worker's last KvMetrics report, the last KV-event answer applied (exact mode) and the other
+        replicas' in-flight shares (None: not used for it)."""
+        now, wall = self._clock(), time.time()
+        P = request.prompt_blocks
+        costs: dict[str, float] = {}
+        if isinstance(policy, KvAware) and len(fleet):
+            costs = policy.costs(request, fleet)
+        applied = self.kv_follower.applied_at if self.kv_follower is not None else {}
+        cands = []
+        for v in fleet:
+            worker = v.worker or v.name
+            rec = self.follower.workers.get(worker)
+            o = min(request.overlap.get(v.name, 0), P) if request.overlap else 0
+            c: dict[str, Any] = {
+                "target": v.name, "worker": worker, "rank": v.rank, "state": v.state,
+                "excluded": worker in exclude, "overlap_blocks": o, "new_blocks": P - o,
+                "overlap_source": "kv_events" if self._exact_for(v.name) else "approximate",
+                "cost": None if v.name not in costs else round(costs[v.name], 3),
+                "load": {"running": v.running, "waiting": v.waiting, "kv_active_blocks": v.kv_active_blocks,
+                         "kv_total_blocks": v.kv_total_blocks, "in_flight": v.in_flight, "pending": v.pending,
+                         "pending_prefill_blocks": v.pending_prefill_blocks, "pending_kv_blocks": v.pending_kv_blocks,
+                         "remote_pending": v.remote_pending, "prefilling": v.prefilling,
+                         "hot_blocks": v.hot_blocks, "reused_blocks": v.reused_blocks},
+                "ages_s": {
+                    "metrics": None if rec is None or rec.metrics_at is None else round(now - rec.metrics_at, 4),
+                    "kv_events": round(time.monotonic() - applied[worker], 4) if worker in applied else None,
+                    "in_flight_share": round(wall - rec.updated_at, 4) if rec is not None and rec.in_flight_by_replica
+                    else None,
+                },
+            }
+            if isinstance(policy, KvAware):
+                t = worker_terms(policy.config, v, request.block_tokens)
+                c["terms"] = {k: (None if x in (float("inf"), float("-inf")) else round(x, 3))
+                              for k, x in t._asdict().items() if k != "last_routed_at"}
+            cands.append(c)
+        return {"worker": decision.worker, "rank": decision.rank, "policy": decision.policy,
+                "reason": decision.reason, "model": model, "adapter": adapter, "prompt_blocks": P,
+                "block_tokens": request.block_tokens, "candidates": cands}
+
+    def _overlap(self, block_hashes: tuple[int, ...], model: str | None, adapter: str | None = None) -> Any:
+        """Per target, the leading blocks of this prompt it is believed to hold (in `adapter`'s cache
+        namespace for a LoRA request)."""
+        overlap = self.prefix.overlap(self._prefix_keys(block_hashes, model, adapter))
         synced = self.kv_follower.synced if self.kv_follower is not None else ()
         if synced:  # exact mode: what the engine reports it holds beats what we sent it
-            exact = self.exact.overlap(block_hashes)
+            salt = namespace_salt(adapter)  # (the exact index is per worker: the adapter alone keys it)
+            exact = self.exact.overlap(tuple(map(salt.__xor__, block_hashes)) if salt else block_hashes)
             overlap = overlap.override({t: exact.get(t, 0) for w in synced for t in self.targets(w)})
         return overlap
 
@@ -488,21 +628,26 @@ class RouterCore:
                                      "reason": decision.reason,
                                      "prompt_blocks": request.prompt_blocks, "w": cand}) + "\n")
 
-    def on_routed(self, request_id: str, request: RouteRequest, worker: str, model: str | None = None) -> None:
+    def on_routed(self, request_id: str, request: RouteRequest, worker: str, model: str | None = None,
+                  adapter: str | None = None) -> int:
         """The request is being sent to `worker` (a routing target: a worker, or a DP rank of one as
         `Decision.target` names it): count it in flight and index its prompt there
         (now, not when the worker answers: a long prefill would otherwise let the next requests
-        with the same prefix miss it). A failed attempt leaves a stale entry that ages out."""
+        with the same prefix miss it). A failed attempt leaves a stale entry that ages out. Returns
+        the blocks it is charged as cached there: kvroute's prediction of the engine's reuse."""
         cached = request.overlap.get(worker, 0)
-        keys = self._prefix_keys(request.block_hashes, model) if request.block_hashes else ()
+        keys = self._prefix_keys(request.block_hashes, model, adapter) if request.block_hashes else ()
         if cached and keys and not self._exact_for(worker):  # what its cache can still hold
             cached = min(cached, self.prefix.held_blocks(worker, keys))
+        cached = min(cached, request.prompt_blocks)
         self.ledger.on_routed(request_id, worker, request.prompt_blocks, cached)
         if keys:
             self.prefix.record(worker, keys)
+        return cached
 
     def should_hold(self, request: RouteRequest, policy_name: str | None = None,
-                    exclude: set[str] | frozenset[str] = frozenset(), model: str | None = None) -> bool:
+                    exclude: set[str] | frozenset[str] = frozenset(), model: str | None = None,
+                    adapter: str | None = None) -> bool:
         """Whether a streamed request should wait for a worker to free up before it is routed
         (`serve_app.admission`): every routable worker of its model is prefilling one of this
         replica's streams, and even the worker holding most of its prompt would still prefill a big
@@ -513,15 +658,16 @@ class RouterCore:
         if not adm.waiting and not adm.prefilling:
             return False
         self.views()
-        _, fleet = self._model_group(model)
+        _, fleet = self._model_group(model, None, adapter)
         if not adm.saturated((v.name, v.state != "down" and (v.worker or v.name) not in exclude) for v in fleet):
             return False
         routable = {v.name for v in fleet if v.state != "down"}
-        held = max((n for t, n in self._overlap(request.block_hashes, model).items() if t in routable), default=0) \
+        held = max((n for t, n in self._overlap(request.block_hashes, model, adapter).items() if t in routable),
+                   default=0) \
             if request.block_hashes else 0
         return adm.big(request.prompt_blocks - held)  # even where most of it is cached, much is left
 
-    def wake_held(self, model: str | None = None) -> None:
+    def wake_held(self, model: str | None = None, adapter: str | None = None) -> None:
         """After a streamed dispatch: if requests are held while a routable worker of `model` is
         not busy, let the next one go. A held request is woken when a worker frees up, but the
         policy may route it elsewhere; without this the queue would wait for the next first token
@@ -529,27 +675,46 @@ class RouterCore:
         the slowest held requests waited the full 5 s (bench/results/standard-mooncake-7.md)."""
         adm = self.admission
         if adm.waiting:
-            _, fleet = self._model_group(model)
+            _, fleet = self._model_group(model, None, adapter)
             if not adm.all_busy((v.name, v.state != "down") for v in fleet):
                 adm.release(1)
 
     def route(
         self, request: RouteRequest, policy_name: str | None = None, exclude: set[str] | frozenset[str] = frozenset(),
-        model: str | None = None, role: str | None = None, *, streamed: bool = False,
+        model: str | None = None, role: str | None = None, *, streamed: bool = False, adapter: str | None = None,
+        explain: bool = False,
     ) -> "RequestTicket":
         """Decide (`decide`) and book the request on the chosen worker (`on_routed`). The ticket
         carries the decision; call its `first_token()` when the first response byte arrives, then
         exactly one of `finished()` or `failed()` (a retry elsewhere is a new `route`, with the
         failed worker in `exclude`). Raises NoWorkerAvailable, UnknownPolicy."""
-        decision, request = self.decide(request, policy_name, exclude, model, role)
+        receipt: dict[str, Any] | None = {} if explain else None
+        decision, request = self.decide(request, policy_name, exclude, model, role, adapter, receipt)
         request_id = f"{self.replica_id}-{next(self._request_ids)}"
         target = decision.target or decision.worker
-        self.on_routed(request_id, request, target, model)
+        predicted = self.on_routed(request_id, request, target, model, adapter)
         if streamed and self.admission.config.enabled:
             self.admission.dispatched(target)
-            self.wake_held(model)
-            return RequestTicket(decision, request, request_id, self.ledger, self.admission)
-        return RequestTicket(decision, request, request_id, self.ledger)
+            self.wake_held(model, adapter)
+            ticket = RequestTicket(decision, request, request_id, self.ledger, self.admission, predicted)
+        else:
+            ticket = RequestTicket(decision, request, request_id, self.ledger, None, predicted)
+        ticket.receipt = receipt
+        return ticket
+
+    def check_prediction(self, ticket: "RequestTicket", prompt_tokens: int, cached_tokens: int) -> tuple[int, str | None]:
+        """The engine answered `ticket`'s request with `cached_tokens` of `prompt_tokens` from its
+        cache: compare with what was predicted (the blocks charged as cached, as a share of the
+        router's estimate of the prompt, times the engine's real prompt length — the router's count
+        is an estimate in approximate mode). Returns (predicted tokens, a warning to log or None)."""
+        req = ticket.request
+        est = req.prompt_tokens
+        predicted = min(ticket.predicted * req.block_tokens, est)
+        if est > 0 and est != prompt_tokens:
+            predicted = round(predicted * prompt_tokens / est)
+        predicted = max(0, min(predicted, prompt_tokens - 1))  # (SGLang always computes the last token)
+        return predicted, self.predictions.observe(ticket.worker, predicted, cached_tokens, prompt_tokens,
+                                                   self._clock())
 
     # --- public views -------------------------------------------------------------------------
 
@@ -579,6 +744,8 @@ class RouterCore:
                     "in_flight": sum(lv.in_flight + lv.remote_pending for lv in lvs),
                     "in_flight_local": sum(lv.in_flight for lv in lvs),
                     **extra,
+                    "adapters": sorted(self._adapters.get(rec.name, ())),
+                    "prefix_cache_check": self.predictions.view(rec.name),
                     "updated_at": rec.updated_at,
                     "managed": rec.managed_view(),
                 }
@@ -613,13 +780,15 @@ class RequestTicket:
     charge used), and its remaining moments. `first_token`, then one of `finished` / `failed`;
     calls after the end (or twice) are ignored, so ending from a `finally` block is safe."""
 
-    __slots__ = ("decision", "request", "request_id", "_ledger", "_admission")
+    __slots__ = ("decision", "request", "request_id", "predicted", "receipt", "_ledger", "_admission")
 
     def __init__(self, decision: Decision, request: RouteRequest, request_id: str, ledger: Ledger,
-                 admission: Admission | None = None) -> None:
+                 admission: Admission | None = None, predicted: int = 0) -> None:
         self.decision = decision
         self.request = request
         self.request_id = request_id
+        self.predicted = predicted  # prompt blocks kvroute expects the worker's cache to serve
+        self.receipt: dict[str, Any] | None = None  # the route receipt, when asked for (`decide`)
         self._ledger = ledger
         self._admission = admission  # a streamed request counted as prefilling there until its first token
 

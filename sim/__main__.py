@@ -76,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--disaggregation-waiting-timeout", type=float, default=None,
                     help="decode: seconds a request waits for its KV "
                     "(default: $SGLANG_DISAGGREGATION_WAITING_TIMEOUT or 300, as SGLang)")
+    lora = p.add_argument_group("LoRA adapters (sim.lora; SGLang's flags)")
+    lora.add_argument("--enable-lora", action="store_true", default=None, help="serve LoRA adapters")
+    lora.add_argument("--lora-paths", nargs="*", default=[],
+                      help="adapters to preload: PATH | NAME=PATH | JSON {lora_name, lora_path, pinned}")
+    lora.add_argument("--max-loras-per-batch", type=int, default=8,
+                      help="distinct adapters in a running batch, the base model included (default 8)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -130,6 +136,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         kv_events_topic=kv["topic"],
         dp_size=args.dp_size,
         load_balance_method=args.load_balance_method,
+        enable_lora=args.enable_lora,
+        lora_paths=tuple(args.lora_paths or ()),
+        max_loras_per_batch=args.max_loras_per_batch,
         **({"kv_events_buffer_steps": kv["buffer_steps"]} if "buffer_steps" in kv else {}),
     )
 

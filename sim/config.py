@@ -62,6 +62,9 @@ class EngineConfig(BaseModel):
         "0.5.23: 'cache_hit_rate is prefill-owned; decode ticks must not reset it'; seen on the real server)"
     )
     record_kv_events: bool = Field(False, description="collect BlockStored/BlockRemoved events")
+    max_loras_per_batch: int | None = Field(
+        None, ge=1, description="distinct adapters (the base model counted as one) a running batch may hold "
+        "(SGLang --max-loras-per-batch; None: LoRA off, no limit)")
 
     @property
     def num_pages(self) -> int:
@@ -113,6 +116,14 @@ class SimConfig(BaseModel):
     kv_events_buffer_steps: int = Field(10_000, ge=1, description="batches kept for replay")
     shutdown_grace_s: float = Field(0.5, ge=0, description="how long open streams may finish")
     disagg: DisaggConfig | None = Field(None, description="prefill/decode disaggregation role (sim.disagg)")
+    enable_lora: bool | None = Field(None, description="SGLang --enable-lora (None: on iff lora_paths is given)")
+    lora_paths: tuple[str, ...] = Field((), description="SGLang --lora-paths items: PATH | NAME=PATH | JSON (sim.lora)")
+    max_loras_per_batch: int = Field(8, ge=1, description="SGLang --max-loras-per-batch")
+
+    @property
+    def lora_enabled(self) -> bool:
+        """SGLang's rule: --enable-lora, or (not given) any --lora-paths."""
+        return bool(self.enable_lora) or (self.enable_lora is None and bool(self.lora_paths))
 
     @property
     def events_encoding(self) -> KvEventsEncoding:

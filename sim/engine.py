@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from sim.config import EngineConfig
-from sim.kv_events import KvEvent, page_digest, page_digests
+from sim.kv_events import KvEvent, lora_namespace, page_digest, page_digests
 from sim.kv_pool import KvPool
 from sim.tokenizer import OutputStream
 
@@ -67,6 +67,10 @@ class SimRequest:
     private_pages: int = 0
     reserved_pages: int = 0  # pages still to be allocated for future decode tokens
     prefilled: bool = False  # PD decode side: the prompt's KV came from a prefill server (no compute)
+    # LoRA (sim.lora): the adapter's id (None: the base model) — its pages live in their own cache
+    # namespace (`lora_namespace`), as SGLang's radix cache keys them by lora_id — and its name
+    lora_id: str | None = None
+    lora_name: str | None = None
     _outputs: OutputStream | None = None
 
     @property
@@ -201,7 +205,7 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     def submit(self, rid: str, input_ids: Sequence[int], max_new_tokens: int, now: float, *,
-               prefilled: bool = False) -> SimRequest:
+               prefilled: bool = False, lora_id: str | None = None, lora_name: str | None = None) -> SimRequest:
         """Queue a request (FIFO). Raises RequestRejected if it could never run. `prefilled`: its
         prompt's KV was transferred in (PD decode side): admitted like any request, its prompt costs
         no prefill compute (SGLang's decode server runs a "prebuilt" batch for it)."""
@@ -209,7 +213,7 @@ class Engine:
             raise RequestRejected(f"request id {rid!r} is already in use")
         self.check(input_ids, max_new_tokens)
         req = SimRequest(rid=rid, input_ids=list(input_ids), max_new_tokens=max_new_tokens, arrival=now,
-                         prefilled=prefilled)
+                         prefilled=prefilled, lora_id=lora_id, lora_name=lora_name)
         req._outputs = OutputStream(req.input_ids, self.config.seed)
         self.requests[rid] = req
         self.waiting.append(req)
@@ -312,14 +316,18 @@ class Engine:
         new_tokens = hit_tokens = 0
         ps = self.page_size
         skipped = False
+        loras = {r.lora_id for r in self.running} if self.config.max_loras_per_batch is not None else None
         for req in self.waiting:
             if len(self.running) + len(admitted) >= self.config.max_running_requests:
                 break
+            if loras is not None and req.lora_id not in loras and len(loras) >= self.config.max_loras_per_batch:
+                skipped = True  # SGLang: `can_schedule_lora_req` false → `continue`, later ones may go
+                continue
             n_in = len(req.input_ids)
             # SGLang matches at most len-1 tokens: the last prompt token is always computed
             matchable = (n_in - 1) // ps
             if len(req.chain) < n_in // ps:
-                req.chain = page_digests(req.input_ids, ps)
+                req.chain = page_digests(req.input_ids, ps, lora_namespace(req.lora_id))
             matched = self.pool.match(req.chain[:matchable])
             cached = matched * ps
             uncached = 0 if req.prefilled else n_in - cached
@@ -351,6 +359,8 @@ class Engine:
             req.admit_time = now
             req.state = ReqState.RUNNING
             admitted.append(req)
+            if loras is not None:
+                loras.add(req.lora_id)
             new_tokens += uncached
             hit_tokens += cached
         if not admitted:
@@ -495,7 +505,7 @@ class Engine:
         if upto_pages <= req.locked:
             return
         tokens = req.input_ids + req.output_ids
-        moved, deduped = self.pool.insert(req.chain[:upto_pages], tokens, req.locked, now)
+        moved, deduped = self.pool.insert(req.chain[:upto_pages], tokens, req.locked, now, lora_name=req.lora_name)
         req.private_pages -= moved + deduped
         req.locked = upto_pages
 
@@ -509,7 +519,7 @@ class Engine:
             full = req.kv_len // self.page_size
             while len(req.chain) < full:
                 i = len(req.chain)
-                parent = req.chain[-1] if req.chain else None
+                parent = req.chain[-1] if req.chain else lora_namespace(req.lora_id)
                 req.chain.append(page_digest(parent, seq[i * self.page_size : (i + 1) * self.page_size]))
             self._cache_chain(req, full, now)
         self.pool.unlock(req.chain[: req.locked], now)

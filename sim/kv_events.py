@@ -51,10 +51,19 @@ def event_hash(digest: bytes) -> int:
     return int.from_bytes(digest[:8], "big", signed=True)
 
 
-def page_digests(token_ids: Sequence[int], page_size: int) -> list[bytes]:
-    """Chained digests of the full pages of `token_ids` (a trailing partial page has none)."""
+def lora_namespace(lora_id: str | None) -> bytes | None:
+    """The digest a LoRA adapter's page chains start from (None: the base model's). SGLang keys its
+    radix cache by `extra_key` (+= the adapter's lora_id), so an adapter's pages never match another
+    namespace's, and its published hashes are namespaced (`namespaced_block_hash`): here its chains
+    are seeded with a digest of the id. The first page's `parent_block_hash` stays null."""
+    return None if lora_id is None else hashlib.sha256(b"lora\0" + lora_id.encode()).digest()
+
+
+def page_digests(token_ids: Sequence[int], page_size: int, root: bytes | None = None) -> list[bytes]:
+    """Chained digests of the full pages of `token_ids` (a trailing partial page has none); `root`:
+    the namespace the chain starts in (`lora_namespace`)."""
     out: list[bytes] = []
-    parent: bytes | None = None
+    parent: bytes | None = root
     for start in range(0, len(token_ids) - page_size + 1, page_size):
         parent = page_digest(parent, token_ids[start : start + page_size])
         out.append(parent)
@@ -77,6 +86,7 @@ class BlockStored:
     block_size: int
     lora_id: Optional[int] = None
     medium: Optional[str] = MEDIUM_GPU
+    lora_name: Optional[str] = None  # the adapter whose namespace the blocks are in (map form, 0.5.23)
 
 
 @dataclasses.dataclass
@@ -106,6 +116,7 @@ def coalesce(events: Iterable[KvEvent]) -> list[KvEvent]:
             if (
                 tail.medium == ev.medium
                 and tail.lora_id == ev.lora_id
+                and tail.lora_name == ev.lora_name
                 and tail.block_size == ev.block_size
                 and tail.block_hashes
                 and ev.parent_block_hash == tail.block_hashes[-1]
@@ -190,6 +201,7 @@ def _to_wire(ev: KvEvent, encoding: Encoding) -> Any:
             block_size=ev.block_size,
             lora_id=ev.lora_id,
             medium=ev.medium,
+            **({"lora_name": ev.lora_name} if encoding == "map" else {}),
         )
     if isinstance(ev, BlockRemoved):
         return removed(block_hashes=ev.block_hashes, medium=ev.medium)
@@ -228,6 +240,7 @@ def _event_from_obj(obj: Any) -> KvEvent | None:
             block_size=int(get("block_size") or 0),
             lora_id=get("lora_id"),
             medium=get("medium"),
+            lora_name=get("lora_name"),
         )
     if kind == "BlockRemoved":
         return BlockRemoved(block_hashes=list(get("block_hashes") or []), medium=get("medium"))

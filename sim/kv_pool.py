@@ -138,13 +138,16 @@ class KvPool:
         token_ids: Sequence[int],
         start_page: int,
         now: float,
+        *,
+        lora_name: str | None = None,
     ) -> tuple[int, int]:
         """Cache pages `start_page …` of a chain whose pages the caller holds privately, locked.
 
         `digests[i]` is the digest of `token_ids[i*page : (i+1)*page]`; pages before
         `start_page` are already cached and locked by the caller. Each newly cached page is
         locked for the caller. Returns (pages moved from private to cached, pages that were
-        already cached by someone else — the caller's private copy is freed here).
+        already cached by someone else — the caller's private copy is freed here). `lora_name`: the
+        adapter whose cache namespace the chain is in (its KV events name it, as 0.5.23's do).
         """
         moved = deduped = 0
         ps = self.page_size
@@ -172,6 +175,7 @@ class KvPool:
                         parent_block_hash=event_hash(parent) if parent is not None else None,
                         token_ids=list(tokens),
                         block_size=ps,
+                        lora_name=lora_name,
                     )
                 )
         return moved, deduped

@@ -62,6 +62,7 @@ class ChatCompletionRequest(_Lenient):
     rid: StrictStr | None = None
     routed_dp_rank: int | None = None  # pins an attention-DP rank (sim.dp)
     data_parallel_rank: int | None = None  # its deprecated alias (0.4.9: the only name)
+    lora_path: Union[list[StrictStr | None], StrictStr, None] = None  # an adapter (sim.lora)
 
     @field_validator("n")
     @classmethod
@@ -82,6 +83,7 @@ class CompletionRequest(_Lenient):
     rid: StrictStr | None = None
     routed_dp_rank: int | None = None  # pins an attention-DP rank (sim.dp)
     data_parallel_rank: int | None = None  # its deprecated alias (0.4.9: the only name)
+    lora_path: Union[list[StrictStr | None], StrictStr, None] = None  # an adapter (sim.lora)
 
     @field_validator("n")
     @classmethod
@@ -103,6 +105,7 @@ class GenerateRequest(_Lenient):
     rid: StrictStr | None = None
     routed_dp_rank: int | None = None  # pins an attention-DP rank (sim.dp)
     data_parallel_rank: int | None = None  # its deprecated alias (0.4.9: the only name)
+    lora_path: Union[list[StrictStr | None], StrictStr, None] = None  # an adapter (sim.lora)
 
 
 def _first_error(exc: ValidationError) -> BadRequest:

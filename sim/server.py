@@ -34,6 +34,7 @@ from sim.disagg import Bootstrap, DecodeSide, DisaggFailure, MissingBootstrap, P
 from sim.engine import Engine, KvReport, RequestRejected, SimRequest, TokenOutput
 from sim.kv_event_publisher import KvEventPublisher
 from sim.kv_events import KvEvent
+from sim.lora import LoraError, LoraRef, LoraRegistry, parse_lora_paths
 from sim.metrics_emitter import MetricsEmitter
 from sim.prometheus import CONTENT_TYPE as PROM_CONTENT_TYPE
 from sim.prometheus import SimMetrics
@@ -91,14 +92,15 @@ class EngineDriver:
         return (time.monotonic() - self._t0) / self.time_scale
 
     def submit(self, rid: str, input_ids: list[int], max_new_tokens: int, *, prefilled: bool = False,
-               stream: _Stream | None = None) -> _Stream:
+               stream: _Stream | None = None, lora: LoraRef | None = None) -> _Stream:
         """Queue a request; raises RequestRejected (→ 400) if the engine can never serve it. With
         `stream` (PD decode, once its KV arrived), that stream gets the engine's request."""
         if self.failed is not None:
             raise EngineDown(f"the simulated engine stopped: {self.failed!r}")
         if self._stopping:
             raise RequestRejected("the server is shutting down")
-        req = self.engine.submit(rid, input_ids, max_new_tokens, self.sim_now(), prefilled=prefilled)
+        req = self.engine.submit(rid, input_ids, max_new_tokens, self.sim_now(), prefilled=prefilled,
+                                 lora_id=lora.lora_id if lora else None, lora_name=lora.name if lora else None)
         if stream is None:
             stream = _Stream(req=req, queue=asyncio.Queue(), wall_submit=time.monotonic())
         else:
@@ -190,6 +192,7 @@ class SimServer:
     def __init__(self, config: SimConfig) -> None:
         self.config = config
         self.started_at = time.time()
+        self.lora = LoraRegistry(config.lora_enabled, parse_lora_paths(config.lora_paths), config.max_loras_per_batch)
         engine_cfg = config.engine.model_copy(
             update={
                 "record_kv_events": config.kv_events_endpoint is not None,
@@ -197,6 +200,7 @@ class SimServer:
                 # held to the real 0.5.23 server (tests/real_engine/test_sim_parity.py)
                 "round_usage": config.wire.startswith("0.5.23"),
                 "decode_keeps_hit_rate": config.wire.startswith("0.5.23"),
+                "max_loras_per_batch": config.max_loras_per_batch if config.lora_enabled else None,
             }
         )
         self._zmq = zmq.Context()
@@ -340,6 +344,10 @@ class SimServer:
             "kv_events_config": kv_cfg,
             "disaggregation_mode": c.disagg.mode if c.disagg else "null",
             "disaggregation_bootstrap_port": c.disagg.bootstrap_port if c.disagg else 8998,
+            "enable_lora": c.lora_enabled,
+            "lora_paths": [{"lora_id": r.lora_id, "lora_name": r.name, "lora_path": r.path, "pinned": r.pinned}
+                           for r in parse_lora_paths(c.lora_paths)] if c.lora_enabled else None,
+            "max_loras_per_batch": c.max_loras_per_batch,
         }
 
     def _kv_events_info(self) -> dict[str, Any] | None:
@@ -524,7 +532,8 @@ class SimServer:
         return meta
 
     def _submit(self, rid: str | None, input_ids: list[int], max_new_tokens: int, body: Any = None,
-                pinned: int | None = None, *, health: bool = False, headers: Any = None) -> _Stream:
+                pinned: int | None = None, *, health: bool = False, headers: Any = None,
+                lora: LoraRef | None = None) -> _Stream:
         """Start a request. Without PD: on the rank the DP front picks (`pinned`, else its turn). With
         the parsed `body` of a PD server (`--disaggregation-mode`), as that role does it: prefill
         computes one token then hands its KV to the room's decode server; decode waits for the room's
@@ -534,7 +543,7 @@ class SimServer:
         try:
             if pd is None:
                 rank = self.dp.choose(pinned, health=health)
-                stream = self._driver(rank).submit(rid, input_ids, max_new_tokens)
+                stream = self._driver(rank).submit(rid, input_ids, max_new_tokens, lora=lora)
                 stream.rank = rank
                 return stream
             bootstrap = bootstrap_of(body, pd.mode, headers, self._release)
@@ -543,7 +552,7 @@ class SimServer:
                                       follow_room=self.config.balance_method == "follow_bootstrap_room")
                 assert self.prefill_side is not None
                 self.prefill_side.check_rank(bootstrap.room, rank, bootstrap.prefill_dp_rank)
-                stream = self._driver(rank).submit(rid, input_ids, min(max_new_tokens, 1))
+                stream = self._driver(rank).submit(rid, input_ids, min(max_new_tokens, 1), lora=lora)
                 stream.rank = rank
                 stream.handover = bootstrap
                 return stream
@@ -581,6 +590,16 @@ class SimServer:
         except DisaggFailure as exc:
             yield _sse({"error": {"message": str(exc), "type": "InternalServerError", "code": 500}})
             yield _DONE
+
+    def _adapter(self, body: Any, *, openai: bool = True) -> LoraRef | None:
+        """The adapter a request runs with (`sim.lora`): `model: "base:adapter"` (chat, completion)
+        before `lora_path`; an unknown one is SGLang's 400."""
+        try:
+            if openai:
+                return self.lora.resolve(body.model, body.lora_path, self.config.model_name)
+            return self.lora.acquire(body.lora_path)
+        except LoraError as exc:
+            raise protocol.BadRequest(str(exc)) from None
 
     def _pinned(self, route: Route, body: Any, request: Request) -> int | None:
         return requested_rank(self.config.wire, route, body, request.headers)
@@ -640,8 +659,32 @@ class SimServer:
                     "id": cfg.model_name, "object": "model", "created": int(self.started_at),
                     "owned_by": "sglang", "root": cfg.model_name, "parent": None,
                     "max_model_len": self.engine.config.context_length,
-                }],
+                }, *self.lora.model_cards(cfg.model_name, int(self.started_at))],
             }
+
+        async def _lora_update(request: Request, load: bool) -> JSONResponse:
+            try:
+                obj = json.loads(await request.body())
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                obj = None
+            need = ("lora_name", "lora_path") if load else ("lora_name",)
+            if not isinstance(obj, dict) or not all(isinstance(obj.get(k), str) for k in need):
+                # (FastAPI's 422 for a body its model refuses)
+                return JSONResponse({"detail": [{"type": "missing", "loc": ["body", k], "msg": "Field required"}
+                                                for k in need if not isinstance(obj, dict) or k not in obj]
+                                     or [{"type": "string_type", "loc": ["body"], "msg": "Input should be a valid string"}]},
+                                    status_code=422)
+            out = self.lora.load(obj["lora_name"], obj["lora_path"], bool(obj.get("pinned", False))) if load \
+                else self.lora.unload(obj["lora_name"])
+            return JSONResponse(out, status_code=200 if out["success"] else 400)
+
+        @app.post("/load_lora_adapter")
+        async def load_lora_adapter(request: Request) -> JSONResponse:
+            return await _lora_update(request, True)
+
+        @app.post("/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request) -> JSONResponse:
+            return await _lora_update(request, False)
 
         async def model_info() -> dict[str, Any]:
             return {
@@ -760,7 +803,7 @@ class SimServer:
             if max_new is None:
                 max_new = self.engine.config.default_max_new_tokens
             stream = self._submit(body.rid, protocol.chat_input_ids(body), max_new, body, self._pinned("chat", body, request),
-                                  headers=request.headers)
+                                  headers=request.headers, lora=self._adapter(body))
             model = body.model or cfg.model_name
             if body.stream:
                 usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -788,7 +831,7 @@ class SimServer:
             body = protocol.parse_body(await request.body(), protocol.CompletionRequest)
             ids = protocol.completion_input_ids(body)
             stream = self._submit(body.rid, ids, body.max_tokens, body, self._pinned("completion", body, request),
-                                  headers=request.headers)
+                                  headers=request.headers, lora=self._adapter(body))
             model = body.model or cfg.model_name
             if body.stream:
                 usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -815,7 +858,7 @@ class SimServer:
             if max_new is None:
                 max_new = self.engine.config.default_max_new_tokens
             stream = self._submit(body.rid, ids, max_new, body, self._pinned("generate", body, request),
-                                  headers=request.headers)
+                                  headers=request.headers, lora=self._adapter(body, openai=False))
             if body.stream:
                 return StreamingResponse(self._sse_guard(self._generate_sse(stream)), media_type="text/event-stream",
                                          headers=_SSE_HEADERS)

@@ -141,7 +141,7 @@ _FROM_0_5_8 = frozenset(RELEASES[1:])
 #   including 0.5.20 (a deprecated shim over /v1/loads from 0.5.8), absent from 0.5.23.
 # Anything else answers as SGLang's FastAPI app answers a route it does not have: 404
 # {"detail": "Not Found"} (405 {"detail": "Method Not Allowed"} for a known path, wrong method).
-# Real routes the sim does not model (LoRA, weights, sessions, /v1/models/{model}, /openapi.json, …)
+# Real routes the sim does not model (LoRA from tensors, weights, sessions, /v1/models/{model}, /openapi.json, …)
 # 404 too.
 HTTP_ROUTES: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "/health": (frozenset({"GET"}), _ALL),
@@ -158,6 +158,9 @@ HTTP_ROUTES: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "/generate": (frozenset({"POST", "PUT"}), _ALL),
     "/v1/completions": (frozenset({"POST"}), _ALL),
     "/v1/chat/completions": (frozenset({"POST"}), _ALL),
+    # dynamic LoRA (sim.lora): in every release listed (0.4.9's http_server.py has both)
+    "/load_lora_adapter": (frozenset({"POST"}), _ALL),
+    "/unload_lora_adapter": (frozenset({"POST"}), _ALL),
 }
 # The sim's own routes (not SGLang's; every release): ground truth for tests and the benchmark.
 SIM_ROUTES: dict[str, frozenset[str]] = {"/sim/stats": frozenset({"GET"})}

@@ -17,7 +17,7 @@ from typing import Callable
 
 from actors.models import Settings, WorkerState, derive_state
 from actors.protocol import (
-    FleetDelta, KvEventsStatus, ManagedEngine, MetricsUpdate, RankMetrics, WorkerReport, WorkerUpdate,
+    Adapter, FleetDelta, KvEventsStatus, ManagedEngine, MetricsUpdate, RankMetrics, WorkerReport, WorkerUpdate,
 )
 
 
@@ -38,6 +38,7 @@ class _Worker:
     role: str = "both"
     bootstrap_port: int | None = None
     dp_size: int = 1
+    adapters: list[Adapter] = field(default_factory=list)
     state: WorkerState = WorkerState.IDLE
     version: int = 0
     metrics_at: float | None = None  # newest rank's receive time (registry clock)
@@ -105,10 +106,11 @@ class FleetRegistry:
         if w.url != r.url or w.page_size != r.page_size or w.healthy != r.healthy \
                 or w.health_detail != r.health_detail or w.managed != r.managed \
                 or w.kv_events_actor != r.kv_events_actor or w.kv_events != r.kv_events or w.models != r.models \
-                or w.role != r.role or w.bootstrap_port != r.bootstrap_port or w.dp_size != r.dp_size:
+                or w.role != r.role or w.bootstrap_port != r.bootstrap_port or w.dp_size != r.dp_size \
+                or w.adapters != r.adapters:
             w.url, w.page_size, w.healthy, w.health_detail = r.url, r.page_size, r.healthy, r.health_detail
             w.managed, w.kv_events_actor, w.kv_events = r.managed, r.kv_events_actor, r.kv_events
-            w.models, w.dp_size = r.models, r.dp_size
+            w.models, w.dp_size, w.adapters = r.models, r.dp_size, r.adapters
             w.role, w.bootstrap_port = r.role, r.bootstrap_port
             changed = True
         ranks_changed = False
@@ -253,7 +255,7 @@ class FleetRegistry:
             heartbeat_age_s=max(0.0, now - w.heartbeat_at),
             ranks=self._ranks(w), in_flight_by_replica=remote, version=w.version,
             managed=w.managed, kv_events_actor=w.kv_events_actor, kv_events=w.kv_events, models=w.models,
-            role=w.role, bootstrap_port=w.bootstrap_port, dp_size=w.dp_size,
+            role=w.role, bootstrap_port=w.bootstrap_port, dp_size=w.dp_size, adapters=w.adapters,
         )
 
     @staticmethod

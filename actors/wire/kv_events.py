@@ -53,6 +53,7 @@ class BlockStored:
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
+    lora_name: str | None = None  # the LoRA adapter whose cache namespace they are in (map form, 0.5.23)
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,7 +215,10 @@ def _event(raw: Any, i: int) -> KvEvent | None:
     lora = fields.get("lora_id")
     if lora is not None and type(lora) is not int:
         raise KvEventError("bad_event", f"{where}.lora_id: must be an integer or null")
-    return BlockStored(hashes, parent, tuple(tokens), bs, lora, medium)
+    lora_name = _opt_str(fields.get("lora_name"), f"{where}.lora_name")
+    if lora_name is not None and len(lora_name) > 256:
+        raise KvEventError("bad_event", f"{where}.lora_name: longer than 256 characters")
+    return BlockStored(hashes, parent, tuple(tokens), bs, lora, medium, lora_name)
 
 
 def _is_hash(x: Any) -> bool:

@@ -192,7 +192,8 @@ class WorkerActor:
                             managed=self.proc.status.report() if self.proc else None,
                             kv_events_actor=self._actor_name() if kv else None,
                             kv_events=self._kv_info() if kv else None, models=self.models,
-                            role=self.spec.role, bootstrap_port=self.spec.bootstrap_port, dp_size=self.spec.dp_size)
+                            role=self.spec.role, bootstrap_port=self.spec.bootstrap_port, dp_size=self.spec.dp_size,
+                            adapters=self._health.adapters)
 
     def _actor_name(self) -> str:
         if self._own_name is None:

@@ -12,6 +12,7 @@ from typing import Callable
 import httpx
 
 from actors.models import Settings
+from actors.protocol import Adapter
 
 logger = logging.getLogger("kvroute.worker")
 
@@ -30,9 +31,11 @@ def probe_client(settings: Settings) -> httpx.AsyncClient:
 
 
 class HealthProbe:
-    """`healthy`/`detail` of worker `name`, and the model names it serves (`models`: as declared,
-    else — `discover` — what its /v1/models lists). `on_change()` is called when liveness or the
-    model list changes (the caller pushes a report at once).
+    """`healthy`/`detail` of worker `name`, the model names it serves (`models`: as declared, else —
+    `discover` — what its /v1/models lists) and the LoRA adapters it has loaded (`adapters`: its
+    /v1/models entries with a `parent`, SGLang's form — read at every liveness probe, so an adapter
+    loaded or unloaded at run time is seen within a probe interval). `on_change()` is called when
+    liveness, the model list or the adapters change (the caller pushes a report at once).
 
     Two signals, because SGLang's `/health` is slow by design (it waits ≥ 1 s for a one-token
     generation to come back through the scheduler, and says 503 only after its own 20 s):
@@ -53,6 +56,7 @@ class HealthProbe:
         self._http = http
         self._on_change = on_change
         self.models = list(models)
+        self.adapters: list[Adapter] = []
         self._discover = discover
         self.healthy = False
         self.detail = "not probed yet"
@@ -107,8 +111,7 @@ class HealthProbe:
         if not self._reachable:
             self.set(False, f"/v1/models returned {r.status_code}")
             return
-        if self._discover:
-            self._take_models(r)
+        self._take_models(r)
         if self.confirmed:
             self._confirm_soon(url)  # in the background: it takes ≥ 1 s on SGLang
             self.set(True, "ok")
@@ -164,18 +167,32 @@ class HealthProbe:
         return await self._http.get(f"{url}{path}", timeout=timeout_s)
 
     def _take_models(self, r: httpx.Response) -> None:
-        """Attach mode without `served_model_names`: the model ids its `GET /v1/models` lists."""
+        """What the worker's `GET /v1/models` lists: its LoRA adapters (entries with a `parent`, as
+        SGLang lists each loaded adapter) and — attach mode without `served_model_names` — its model
+        names (the other entries). A body not understood changes nothing."""
         try:
-            ids = [m["id"] for m in r.json()["data"]]
-        except (ValueError, KeyError, TypeError) as exc:
+            data = r.json()["data"]
+            entries = [(m["id"], m.get("parent"), m.get("root")) for m in data] if isinstance(data, list) else None
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             logger.debug("worker %s: /v1/models body not understood (%s)", self.name, type(exc).__name__)
             return
-        ok = isinstance(ids, list) and all(isinstance(i, str) and 0 < len(i) <= 256 for i in ids)
-        if not ok or not ids:
+        if entries is None or not all(isinstance(i, str) and 0 < len(i) <= 256 for i, _, _ in entries):
             logger.debug("worker %s: /v1/models gave no usable model list", self.name)
             return
-        models = list(dict.fromkeys(ids))[:64]
-        if models != self.models:
+        changed = False
+        seen: dict[str, Adapter] = {}
+        for i, parent, root in entries:
+            if parent and i not in seen:
+                seen[i] = Adapter(i, root[:4096] if isinstance(root, str) else "")
+        adapters = list(seen.values())[:1024]
+        if adapters != self.adapters:
+            logger.info("worker %s: LoRA adapters %s (its /v1/models)", self.name,
+                        ", ".join(a.name for a in adapters) or "none")
+            self.adapters, changed = adapters, True
+        models = list(dict.fromkeys(i for i, parent, _ in entries if not parent))[:64]
+        if self._discover and models and models != self.models:
             self.models = models
             logger.info("worker %s serves %s (its /v1/models)", self.name, ", ".join(self.models))
+            changed = True
+        if changed:
             self._on_change()

@@ -38,7 +38,7 @@ class KvLog:
                     if len(blocks) >= self.max_blocks:
                         self.dropped_blocks += 1
                         break
-                    blocks[h] = (parent, tuple(ev.token_ids[k * bs:(k + 1) * bs]), bs)
+                    blocks[h] = (parent, tuple(ev.token_ids[k * bs:(k + 1) * bs]), bs, ev.lora_name)
                     parent = h
             elif isinstance(ev, BlockRemoved):
                 for h in ev.block_hashes:
@@ -65,7 +65,8 @@ class KvLog:
         out = []
         for rank, blocks in self._blocks.items():
             events = tuple(
-                BlockStored((h,), parent, tokens, bs) for h, (parent, tokens, bs) in blocks.items()
+                BlockStored((h,), parent, tokens, bs, lora_name=lora)
+                for h, (parent, tokens, bs, lora) in blocks.items()
             )
             out.append(KvLogEntry(self.seq, rank, events))
         return out

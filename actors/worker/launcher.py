@@ -122,6 +122,8 @@ def build_command(spec: WorkerSpec, *, host: str, port: int, metrics_endpoint: s
         ]
         # KvMetrics are only sent with --kv-events-config set (SGLang ≥ 0.5.3), even if we do not subscribe
         cmd += ["--kv-events-config", json.dumps(kv_events_config(spec, host))]
+        if "enable_cache_report" not in spec.engine_args:  # usage.prompt_tokens_details.cached_tokens: the
+            cmd.append("--enable-cache-report")  # router checks its predicted reuse against it
         if spec.dp_size > 1:  # DP attention is the user's choice (engine_args.enable_dp_attention)
             cmd += ["--dp-size", str(spec.dp_size)]
         env = {SGLANG_METRICS_ENV: metrics_endpoint}

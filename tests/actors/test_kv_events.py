@@ -131,7 +131,7 @@ def test_tagged_map_events_of_0_5_23_decode_ignoring_new_keys():
     b = decode_kv_event_frame(frame(raw))
     assert b.dp_rank == 3
     assert b.events == (
-        BlockStored((21,), 20, (5,) * 16, 16, None, "GPU"),
+        BlockStored((21,), 20, (5,) * 16, 16, None, "GPU", "a"),  # lora_name read: the adapter's namespace
         BlockRemoved((21,), "GPU"),
         AllBlocksCleared(),
     )

@@ -144,6 +144,9 @@ def test_an_sglang_entry_runs_in_the_python_it_names_with_kvroutes_source_on_its
                       env={"SGLANG_USE_CPU_ENGINE": "1"})
     cmd, extra = build_command(spec, host="127.0.0.1", port=30001, metrics_endpoint="ipc:///tmp/sg.metrics")
     assert cmd[:3] == ["/opt/sglang/bin/python", "-m", "actors.sglang_launch"]
+    assert "--enable-cache-report" in cmd  # the engine reports cached_tokens, which kvroute checks
+    off = spec.model_copy(update={"engine_args": {"enable_cache_report": False}})
+    assert "--enable-cache-report" not in build_command(off, host="127.0.0.1", port=1, metrics_endpoint="ipc:///x")[0]
     import actors
 
     root = os.path.dirname(os.path.dirname(actors.__file__))

@@ -184,3 +184,18 @@ def test_mooncake_real_trace_keeps_its_sharing():
             common = _common_prefix(toks[i], toks[j])
             if shared < min(len(rows[i]["hash_ids"]), len(rows[j]["hash_ids"])):
                 assert shared * bt <= common < shared * bt + 3
+
+
+def test_multi_lora_shares_one_system_prompt_and_names_zipf_popular_adapters_in_sglangs_form():
+    from collections import Counter
+
+    from bench.workloads import LORA_BASE, make_trace
+
+    t = make_trace("multi_lora", 3, 20.0, 20.0, adapters=8, zipf_s=1.0, system_tokens=64, question_tokens=8)
+    assert len({s.system for s in t.sessions}) == 1  # one prompt for all: only the adapter tells them apart
+    counts = Counter(s.model for s in t.sessions)
+    assert set(counts) <= {f"{LORA_BASE}:lora{k}" for k in range(8)}
+    assert counts[f"{LORA_BASE}:lora0"] > 2 * counts[f"{LORA_BASE}:lora7"]  # Zipf: the first is the most popular
+    assert all(s.model == f"{LORA_BASE}:lora{s.group}" for s in t.sessions)
+    assert make_trace("multi_lora", 3, 20.0, 20.0, adapters=8, system_tokens=64, question_tokens=8) == \
+        make_trace("multi_lora", 3, 20.0, 20.0, adapters=8, system_tokens=64, question_tokens=8)

@@ -80,6 +80,9 @@ def test_each_request_reaches_only_its_models_workers(env):
     assert set(seen["model-C"]) == {"mm-c0"}, seen
     d = c.post("/route", json=chat("b-alias", "where?")).json()
     assert d["worker"] == "mm-b0" and d["model"] == "b-alias" and d["models"] == ["model-B", "b-alias"]
+    # the route receipt: every candidate the policy saw (only the model's workers), with its inputs' ages
+    assert {c["target"] for c in d["candidates"]} == {"mm-b0"} and d["adapter"] is None
+    assert d["candidates"][0]["ages_s"]["metrics"] is None or d["candidates"][0]["ages_s"]["metrics"] >= 0
 
 
 def test_an_unknown_model_is_a_404_model_not_found_and_v1_models_lists_the_fleet(env):

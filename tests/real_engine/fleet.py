@@ -138,7 +138,6 @@ def wait_for(pred, timeout_s: float, interval_s: float = 0.05, what: str = "cond
 def bring_up(tmp: Path, model_dir: Path, names=("w1", "w2")):
     """Start the engines and kvroute serve together (kvroute marks the workers live when their
     engines answer); returns (engines, serve, startup seconds). Stops everything on failure."""
-    from tests.real_engine.engines import start_engines
 
     engines = [Engine(n, model_dir, tmp, served_model_name=MODEL_NAME) for n in names]
     fleet_file = tmp / "fleet.yaml"

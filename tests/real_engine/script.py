@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, block_hashes
+from sim.kv_events import BlockRemoved, BlockStored, block_hashes
 from tests.real_engine.observe import Observer
 
 PAGE = 16

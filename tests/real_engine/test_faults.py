@@ -17,7 +17,6 @@ import httpx  # noqa: E402
 import psutil  # noqa: E402
 from openai import OpenAI  # noqa: E402
 
-from tests.real_engine.engines import PAGE_SIZE  # noqa: E402
 from tests.real_engine.fleet import MODEL_NAME, bring_up, overlap, shut_down, wait_for  # noqa: E402
 
 

@@ -27,7 +27,7 @@ def managed(workdir, model_dir):
     tmp = workdir("managed")
     engine_args = {"device": "cpu", "dtype": "float32", "attention_backend": "torch_native",
                    "disable_overlap_schedule": True, "max_total_tokens": MAX_TOTAL_TOKENS,
-                   "max_running_requests": MAX_RUNNING, "mem_fraction_static": 0.05, "enable_cache_report": True,
+                   "max_running_requests": MAX_RUNNING, "mem_fraction_static": 0.05,
                    "sleep_on_idle": True, "served_model_name": "tiny"}
     env = {"SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(CPU_KERNELS),
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

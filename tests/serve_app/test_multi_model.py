@@ -61,7 +61,8 @@ def test_misrouting_across_models_is_impossible_over_random_fleets_and_requests(
     for trial in range(150):
         n_models = rng.randint(1, 4)
         models = [f"model-{chr(65 + i)}" for i in range(n_models)]
-        core, clock = make_core({}, policy=rng.choice(sorted(POLICIES)), seed=trial)
+        # (strict: an unknown name is a 404 on single-model fleets too — non-strict fleets: test_lora.py)
+        core, clock = make_core({}, policy=rng.choice(sorted(POLICIES)), seed=trial, strict_models=True)
         serves: dict[str, set[str]] = {}
         states: dict[str, str] = {}
         for i in range(rng.randint(1, 8)):
@@ -249,8 +250,10 @@ def test_model_resolution_single_multi_unknown_and_model_agnostic_fleets():
     single, _ = make_core({"w0": ["A", "a"], "w1": ["A", "a"]})
     assert single.resolve_model(None) == "A"  # no `model` on a single-model fleet: routed as before
     assert single.resolve_model("a") == "a"
+    assert single.resolve_model("B") == "A"  # one model served, another named: served, as SGLang does
+    strict, _ = make_core({"w0": ["A", "a"], "w1": ["A", "a"]}, strict_models=True)
     with pytest.raises(UnknownModel):
-        single.resolve_model("B")  # one model served, another named: no silent fallback
+        strict.resolve_model("B")  # strict_models: OpenAI's 404
     multi, clock = make_core({"w0": ["A"], "w1": ["B"]})
     with pytest.raises(ModelRequired):
         multi.resolve_model(None)
@@ -305,7 +308,7 @@ def test_an_unknown_model_is_openais_404_model_not_found_listing_the_served_ones
     with pytest.raises(HttpError) as err:
         fwd.routing_input(req, {**chat(None, "hello"), "model": 7})  # type: ignore[arg-type]
     assert err.value.status == 400
-    _, _, model = fwd.routing_input(req, chat("b-alias", "hello"))  # type: ignore[arg-type]
+    _, _, model, _ = fwd.routing_input(req, chat("b-alias", "hello"))  # type: ignore[arg-type]
     assert model == "b-alias"
 
 
@@ -415,5 +418,6 @@ def test_the_demo_banner_names_a_model_the_fleet_serves(capsys):
     _print_banner("http://127.0.0.1:1", RouterConfig(), ["A", "B"])
     out = capsys.readouterr().out
     assert "models: A, B" in out and '"model": "A"' in out and "model='A'" in out and "default" not in out
-    _print_banner("http://127.0.0.1:1", RouterConfig())  # a model-agnostic demo: any name works
-    assert '"model": "default"' in capsys.readouterr().out
+    _print_banner("http://127.0.0.1:1", RouterConfig())  # names discovered at run time: none in curl
+    out = capsys.readouterr().out
+    assert '"model"' not in out and "model=client.models.list().data[0].id" in out

@@ -16,7 +16,8 @@ from sim.sglang_shapes import HTTP_ROUTES, WIRE_FORMS, http_routes, release_of
 
 # every route every release has
 _COMMON = {"/health", "/health_generate", "/v1/models", "/get_model_info", "/get_server_info", "/metrics",
-           "/flush_cache", "/generate", "/v1/completions", "/v1/chat/completions"}
+           "/flush_cache", "/generate", "/v1/completions", "/v1/chat/completions",
+           "/load_lora_adapter", "/unload_lora_adapter"}  # (LoRA: read in 0.4.9's and 0.5.23's http_server.py)
 _NEW_NAMES = {"/model_info", "/server_info", "/v1/loads"}
 EXPECTED: dict[str, set[str]] = {
     "0.4.9": _COMMON | {"/get_load"},
@@ -33,6 +34,8 @@ _PROBE = {
     "/flush_cache": ("POST", None), "/generate": ("POST", {"text": "hi", "sampling_params": {"max_new_tokens": 1}}),
     "/v1/completions": ("POST", {"model": "m", "prompt": "hi", "max_tokens": 1}),
     "/v1/chat/completions": ("POST", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
+    "/load_lora_adapter": ("POST", {"lora_name": "a", "lora_path": "/p/a"}),
+    "/unload_lora_adapter": ("POST", {"lora_name": "a"}),
 }
 
 
