@@ -124,6 +124,7 @@ def test_workers_live_with_kv_metrics_that_agree_with_the_engines_prometheus_and
     load += [threading.Thread(target=stream, args=(engines["w2"].url, 400, 100 + i)) for i in range(3)]
     scrapers = [threading.Thread(target=scraper, args=(n,), daemon=True) for n in engines]
     shown: dict[str, list[tuple]] = {n: [] for n in engines}
+    ages: dict[str, list[tuple[float, float]]] = {n: [] for n in engines}  # (heartbeat_age_s, metrics_age_s), reported
     for t in scrapers + load:
         t.start()
     try:
@@ -135,6 +136,7 @@ def test_workers_live_with_kv_metrics_that_agree_with_the_engines_prometheus_and
                 assert m["kv_total_blocks"] == MAX_TOTAL_TOKENS // PAGE_SIZE and m["request_total_slots"] == MAX_RUNNING
                 shown[name].append((m["request_active_slots"], m["num_requests_waiting"], m["gpu_cache_usage_perc"],
                                     m["kv_active_blocks"]))
+                ages[name].append((w["heartbeat_age_s"], w["metrics_age_s"]))
             time.sleep(0.2)
     finally:
         for t in load:
@@ -148,6 +150,8 @@ def test_workers_live_with_kv_metrics_that_agree_with_the_engines_prometheus_and
             assert blocks == math.ceil(int(u * MAX_TOTAL_TOKENS) / PAGE_SIZE), (name, u, blocks)
         load_scrapes = [s for s in scrapes[name] if s != (0, 0, 0.0)]  # before the load reached it
         assert load_scrapes and all(s in points for s in load_scrapes), (name, [s for s in load_scrapes if s not in points])
+    for name, a in ages.items():
+        print(f"{name} under load: heartbeat_age_s max {max(x for x, _ in a):.2f}, metrics_age_s max {max(y for _, y in a):.2f}")
     w1, w2 = shown["w1"], shown["w2"]
     assert any(r == MAX_RUNNING and q >= 1 for r, q, _, _ in w1), w1  # w1 full with requests queued
     assert any(r >= 2 and q == 0 and u > 0 for r, q, u, _ in w2), w2
