@@ -290,7 +290,7 @@ def main() -> int:
 
         from actors.models import NAMESPACE
 
-        ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": BENCH_PORT})
         print("\n## Freshness: emitter send → applied in a router replica's snapshot\n")
         print("| emitters | samples | p50 ms | p99 ms | max ms |")

@@ -551,7 +551,7 @@ def main() -> int:
     print(f"command: python -m bench.scale {' '.join(sys.argv[1:])}\n")
     from actors.models import NAMESPACE
 
-    ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
     if ns.real_actors:
         k = ns.real_actors
         plane_cfg = {**({"coalesce_s": ns.coalesce_s} if ns.coalesce_s else {}),

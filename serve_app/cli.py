@@ -76,7 +76,8 @@ class FleetRunner:
             if not self.address:
                 apply_serve_env()  # a cluster's nodes carry it themselves (cluster.yaml, KubeRay env)
             self.progress(f"starting Ray ({'joining ' + self.address if self.address else 'local'}) …")
-            ray.init(address=self.address, namespace=NAMESPACE, include_dashboard=False,
+            # no --address: a Ray of our own, never one that `ray start` or another program left running
+            ray.init(address=self.address or "local", namespace=NAMESPACE, include_dashboard=False,
                      logging_level=logging.WARNING, log_to_driver=self.verbose)
             logging.getLogger("ray.serve").setLevel(logging.INFO if self.verbose else logging.WARNING)
             self._started_ray = True

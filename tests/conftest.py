@@ -45,7 +45,9 @@ def ray_cluster():
         apply_serve_env()  # the Serve transport kvroute runs with
         # sized for CI's 2 cores: every kvroute actor and Serve replica asks for 0 CPUs, so the
         # logical CPUs only bound Ray's pool of prestarted idle workers (each a ~100 MB process)
-        ray.init(num_cpus=2, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+        # address="local": a Ray of this session's own, even if another program's cluster (`ray start`,
+        # ray.cluster_utils) left its address in /tmp/ray, where a bare ray.init() would join it
+        ray.init(address="local", num_cpus=2, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
     yield ray
     try:
         from ray import serve

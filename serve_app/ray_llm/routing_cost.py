@@ -144,7 +144,7 @@ def main() -> None:
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=2, namespace="kvroute", include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, namespace="kvroute", include_dashboard=False, log_to_driver=False)
     try:
         results = asyncio.run(_run(ns))
     finally:
