@@ -143,8 +143,10 @@ def test_workers_live_with_kv_metrics_that_agree_with_the_engines_prometheus_and
             t.join(timeout=120)
         stop.set()
     for name, e in engines.items():
-        points = set(_log_points(e, offsets[name]))
-        assert len(points) >= 5, points
+        assert len(set(_log_points(e, offsets[name]))) >= 5  # the load made log points
+        # the first values shown may be a report from before the load (e.g. a /health confirmation's
+        # one-token batch): every value is still exactly one of the engine's log points
+        points = set(_log_points(e, 0))
         for r, q, u, blocks in shown[name]:
             assert (r, q, u) in points, (name, (r, q, u), sorted(points))
             assert blocks == math.ceil(int(u * MAX_TOTAL_TOKENS) / PAGE_SIZE), (name, u, blocks)
