@@ -26,6 +26,12 @@
    its routing cost apart from the stall (cache_aware's in a run of every target; the others when
    named in `--targets`).
 
+6. `dynamo-kv` (and `dynamo-kv-load`, `dynamo-kv-approx`), only when named in `--targets` and with
+   `--kv-events`: NVIDIA Dynamo 1.6.1's KV router (`dynamo.llm.SelectionService`) in a small proxy
+   process per configuration (`bench.dynamo_kv`), subscribed to the same KV-event PUBs as kvroute.
+   With `--kv-events` the engines' PUBs bind (SGLang 0.5.23's `bind: true`) so that kvroute's worker
+   actors and every Dynamo process hear the same frames.
+
 `direct` needs nothing: the load generator picks the workers round-robin itself (the floor).
 `stop()` tears every piece down: routers, Serve apps, worker actors (their sims), aggregator, Ray.
 """
