@@ -12,6 +12,7 @@ Families (first match wins):
 |---|---|
 | `engines` | simulated SGLang workers (`python -m sim`), real ones (`actors.sglang_launch`), Serve-hosted sims |
 | `peer router` | sglang-router (`sglang_router.launch_router`) |
+| `router:<target>` | a `dynamo-kv*` proxy (`bench.dynamo_kv`), one family per configuration |
 | `ingress` | HAProxy, Ray's HAProxy manager and Serve's Python proxy actor |
 | `serve controller` | Ray Serve's controller |
 | `metrics plane` | kvroute's aggregator and worker actors |
@@ -35,6 +36,7 @@ import psutil
 FAMILIES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("engines", re.compile(r"-m sim\b|actors\.sglang_launch|ServeReplica:[^:]+:SimEngine")),
     ("peer router", re.compile(r"sglang_router|sglang::router")),
+    ("router", re.compile(r"-m bench\.dynamo_kv --name (\S+)")),  # one family per Dynamo configuration
     ("ingress", re.compile(r"haproxy|ray::HAProxyManager|ray::ProxyActor")),
     ("serve controller", re.compile(r"ray::ServeController")),
     ("metrics plane", re.compile(r"ray::Aggregator|ray::WorkerActor")),
@@ -48,7 +50,7 @@ def family(cmdline: str) -> str:
     for name, pat in FAMILIES:
         m = pat.search(cmdline)
         if m:
-            return f"replica:{m.group(1)}" if name == "replica" else name
+            return f"{name}:{m.group(1)}" if name in ("replica", "router") else name
     return "other"
 
 
@@ -131,6 +133,8 @@ def router_side_cpu_s(families: dict[str, float], target: str, app: str | None) 
     sglang-router its process; for other Serve targets their replica, ingress, controller and Ray."""
     if target.startswith("sglang-"):
         return families.get("peer router", 0.0)
+    if target.startswith("dynamo-"):  # its proxy process: HTTP front, Dynamo's selection core, relay
+        return families.get(f"router:{target}", 0.0)
     if target == "direct":
         return None
     keys = ["ingress", "serve controller", "ray system"]

@@ -178,11 +178,16 @@ def _pooled_section(doc: dict[str, Any], targets: list[str]) -> list[str]:
                 continue
             rows.append([t, str(len(g["ttft"])), _ci(report.bootstrap_ci(g["ttft"], 50)),
                          _ci(report.bootstrap_ci(g["ttft"], 99)), _ci(report.bootstrap_ci(g["e2e"], 50)),
+                         _ci(report.bootstrap_ci(g["e2e"], 99)),
                          f"{g['rps']:.2f}", fmt((g["hit"] or 0) * 100, digits=1), f"{g['requests'] - g['ok']}"])
         L.append(f"{w} @ {rate:g} req/s:\n")
-        L.append(_md_table(["target", "requests", "TTFT p50 ms", "TTFT p99 ms", "E2E p50 ms", "req/s",
+        L.append(_md_table(["target", "requests", "TTFT p50 ms", "TTFT p99 ms", "E2E p50 ms", "E2E p99 ms", "req/s",
                             "hit %", "errors"], rows))
         L.append("")
+        dyn = _dynamo_goals(pool, w, rate)
+        if dyn:
+            L.append(_md_table(["kvroute vs Dynamo goal", "target", "ratio [95 % CI]", "verdict"], dyn))
+            L.append("")
         kv = pool.get((w, rate, KV))
         goals = []
         ca_name = CA + "-nodelay" if (w, rate, CA + "-nodelay") in pool else CA  # the stricter yardstick
@@ -217,6 +222,45 @@ def _pooled_section(doc: dict[str, Any], targets: list[str]) -> list[str]:
             L.append(_md_table(["kv_aware goal", "target", "ratio [95 % CI]", "verdict"], goals))
             L.append("")
     return L
+
+
+# issue 34: kvroute kv_aware against Dynamo's KV router on the same events — exact mode (KV events) next
+# to Dynamo's defaults, approximate mode next to Dynamo without KV events
+DYNAMO_PAIRS = (("kvroute-kv_aware-exact", "dynamo-kv"), ("kvroute-kv_aware", "dynamo-kv-approx"))
+
+
+def _verdict(r: tuple[float, float, float], limit: float, cmp: str = "≤") -> str:
+    if cmp == "≤":
+        return "met" if r[2] <= limit else ("missed" if r[1] > limit else "open")
+    return "met" if r[1] >= limit else ("missed" if r[2] < limit else "open")
+
+
+def _dynamo_goals(pool: dict, w: str, rate: float) -> list[list[str]]:
+    """TTFT p50 and p99 ≤ 0.9× Dynamo's, throughput ≥ 1.0×, hit ≥, E2E p50 and p99 ≤ 1.0× Dynamo's and
+    sglang-router cache_aware's (TCP_NODELAY), for each kvroute mode whose Dynamo counterpart ran."""
+    rows: list[list[str]] = []
+    ca = pool.get((w, rate, CA + "-nodelay")) or pool.get((w, rate, CA))
+    for mine, theirs in DYNAMO_PAIRS:
+        k, d = pool.get((w, rate, mine)), pool.get((w, rate, theirs))
+        if k is None or d is None:
+            continue
+        for q in (50, 99):
+            r = report.ratio_ci(k["ttft"], d["ttft"], q)
+            if r is not None:
+                rows.append([f"{mine} TTFT p{q} ÷ {theirs}", "≤ 0.9", _ci(r, 2), _verdict(r, 0.9)])
+        rr = k["rps"] / d["rps"] if d["rps"] else None
+        rows.append([f"{mine} throughput ÷ {theirs}", "≥ 1.0", fmt(rr, digits=3),
+                     "—" if rr is None else ("met" if rr >= 0.995 else "missed")])  # equal within 0.5 %
+        rows.append([f"{mine} cache hit vs {theirs}", "≥", f"{(k['hit'] or 0) * 100:.1f} vs {(d['hit'] or 0) * 100:.1f} %",
+                     "met" if (k["hit"] or 0) >= (d["hit"] or 0) else "missed"])
+        for yard_name, y in ((theirs, d), (CA + "-nodelay", ca)):
+            if y is None:
+                continue
+            for q in (50, 99):
+                r = report.ratio_ci(k["e2e"], y["e2e"], q)
+                if r is not None:
+                    rows.append([f"{mine} E2E p{q} ÷ {yard_name}", "≤ 1.0", _ci(r, 2), _verdict(r, 1.0)])
+    return rows
 
 
 def _cpu_per_request(doc: dict[str, Any], targets: list[str]) -> list[str]:
@@ -256,10 +300,11 @@ def _cpu_per_request(doc: dict[str, Any], targets: list[str]) -> list[str]:
                 return f"{statistics.fmean(vals):.2f}"
 
             app = "kvroute" if tname == "kvroute-kv_aware" else tname
+            mine = f"router:{tname}" if tname.startswith("dynamo-") else f"replica:{app}"  # a Dynamo proxy's process
             lg = [t["summary"]["cpu"]["families_cpu_s"].get("load generator", 0.0) / t["summary"]["cpu"]["seconds"]
                   for t in ts]
             busy = [t["summary"]["cpu"]["busy_cores"] for t in ts]
-            rows.append([tname, per_req("router_cpu_ms_per_req"), per_req("", (f"replica:{app}",)),
+            rows.append([tname, per_req("router_cpu_ms_per_req"), per_req("", (mine,)),
                          per_req("", ("ingress",)), per_req("", ("serve controller",)),
                          per_req("", ("metrics plane",)), per_req("", ("ray system",)),
                          per_req("", ("peer router",)), per_req("engines_cpu_ms_per_req"),

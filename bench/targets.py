@@ -26,6 +26,12 @@
    its routing cost apart from the stall (cache_aware's in a run of every target; the others when
    named in `--targets`).
 
+6. `dynamo-kv` (and `dynamo-kv-load`, `dynamo-kv-approx`), only when named in `--targets` and with
+   `--kv-events`: NVIDIA Dynamo 1.6.1's KV router (`dynamo.llm.SelectionService`) in a small proxy
+   process per configuration (`bench.dynamo_kv`), subscribed to the same KV-event PUBs as kvroute.
+   With `--kv-events` the engines' PUBs bind (SGLang 0.5.23's `bind: true`) so that kvroute's worker
+   actors and every Dynamo process hear the same frames.
+
 `direct` needs nothing: the load generator picks the workers round-robin itself (the floor).
 `stop()` tears every piece down: routers, Serve apps, worker actors (their sims), aggregator, Ray.
 """
@@ -38,6 +44,7 @@ import random
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -50,6 +57,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from bench.dynamo_kv import LABELS as DYNAMO_LABELS
+from bench.dynamo_kv import VARIANTS as DYNAMO_VARIANTS
+from bench.dynamo_kv import variant_env as dynamo_env
 from bench.loadgen import Target
 from bench.sglang_peer import (NODELAY_BY_DEFAULT, NODELAY_SUFFIX, SGLANG_COMMON_FLAGS, SGLANG_NODELAY_NOTE,
                                SGLANG_DP_FLAGS, SGLANG_PD_FLAGS, SGLANG_PER_MODEL_NOTE, SGLANG_POLICIES,
@@ -245,6 +255,15 @@ class PrefixIngress:
                                  media_type=headers.get("content-type", "text/event-stream"))
 
 
+def _dynamo_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ai-dynamo-runtime")
+    except PackageNotFoundError:
+        return "?"
+
+
 # ------------------------------------------------------------------ the fleet and every router
 
 
@@ -278,6 +297,7 @@ class BenchFleet:
     _targets: list[Target] = field(default_factory=list)
     _ray_started: bool = False
     _pd_workers: dict[str, tuple[str, int | None]] = field(default_factory=dict)
+    _kv_endpoints: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def _batching_s(self) -> float:
         """The bare Serve floor relays like the kvroute apps of this fleet."""
@@ -296,6 +316,15 @@ class BenchFleet:
             out.setdefault(self.model_of(i), []).append(url)
         return {m: tuple(u) for m, u in out.items()}
 
+    def _kv_endpoints_of(self, name: str) -> dict[str, Any]:
+        """A worker's KV-event publisher: bound on loopback, with a replay endpoint (kept for Dynamo)."""
+        ep = self._kv_endpoints.get(name)
+        if ep is None:
+            ep = self._kv_endpoints[name] = {
+                "kv_events_endpoint": f"tcp://127.0.0.1:{free_port()}", "kv_events_bind": True,
+                "kv_events_replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
+        return ep
+
     def fleet_dict(self) -> dict[str, Any]:
         if len(self.models) > 1 and self.workers < len(self.models):
             raise ValueError(f"{self.workers} workers cannot serve {len(self.models)} models")
@@ -312,9 +341,12 @@ class BenchFleet:
                 # one model: the load generators ask for "default"; several: each worker serves its own
                 "model": model or "kvroute-sim",
                 "served_model_names": [model] if model else ["kvroute-sim", "default"],
-                # every engine publishes SGLang KV events (kvroute's exact prefix mode reads them; the
-                # engine's timing is unchanged and the other targets ignore them)
-                **({"kv_events_endpoint": "auto"} if self.kv_events else {}),
+                # every engine publishes SGLang KV events (kvroute's exact prefix mode and Dynamo read them;
+                # the engine's timing is unchanged and the other targets ignore them). The PUB binds (SGLang
+                # 0.5.23's `bind: true`) so that several subscribers hear the same frames: kvroute's worker
+                # actor and each dynamo-kv process connect to it, and ask its replay ROUTER for lost batches
+                **((self._kv_endpoints_of(name) if self.dp_size == 1 and not self.pd else {"kv_events_endpoint": "auto"})
+                   if self.kv_events else {}),
                 "engine_args": {k: v for k, v in self.engine_args.items() if k != "page_size"},
                 **({"dp_size": self.dp_size} if self.dp_size > 1 else {}),
             })
@@ -428,6 +460,19 @@ class BenchFleet:
                                             ).bind(self.worker_urls, claim, self._batching_s())
             serve.run(PrefixIngress.bind(engine), name=name, route_prefix=f"/{name}", blocking=False)
             targets.append(Target(name, (base + f"/{name}",), label=label, notes=notes))
+        for name in DYNAMO_VARIANTS:
+            if want is None or not on(name) or self.pd or self.dp_size > 1:  # only when named (--targets)
+                continue
+            if not self.kv_events:
+                self.progress(f"{name}: needs --kv-events (engines publishing KV events); left out")
+                continue
+            port = free_port()
+            self._start_dynamo(name, port)
+            env = " ".join(f"{k}={v}" for k, v in dynamo_env(name).items())
+            targets.append(Target(name, (f"http://127.0.0.1:{port}",), label=DYNAMO_LABELS[name],
+                                  notes=f"ai-dynamo-runtime {_dynamo_version()} `dynamo.llm.SelectionService` in an "
+                                        f"aiohttp proxy (bench/dynamo_kv.py) relaying with kvroute's UpstreamClient "
+                                        f"and {self._batching_s() * 1e3:g} ms stream batching; environment `{env}`"))
         version = _sglang_router_version()
         for policy in SGLANG_PD_FLAGS if self.pd else ():
             name = f"sglang-pd-{policy}"
@@ -475,6 +520,26 @@ class BenchFleet:
         self._targets = targets
         self._wait_ready(targets)
         return targets
+
+    def _start_dynamo(self, name: str, port: int) -> None:
+        """One bench.dynamo_kv process (one Dynamo configuration: its DYN_ROUTER_* are read at start)."""
+        page = int(self.engine_args.get("page_size", 16))
+        workers = [{"name": n, "url": u, "page_size": page,
+                    "total_kv_blocks": int(self.engine_args.get("max_total_num_tokens", 400_000)) // page,
+                    "max_num_batched_tokens": int(self.engine_args.get("max_prefill_tokens", 16_384)),
+                    **{k: v for k, v in self._kv_endpoints[n].items() if k != "kv_events_bind"}}
+                   for n, u in self.worker_urls.items()]
+        cfg = os.path.join(self.tmpdir, f"{name}.json")
+        Path(cfg).write_text(json.dumps({"workers": workers, "batching_s": self._batching_s()}))
+        argv = [sys.executable, "-m", "bench.dynamo_kv", "--name", name, "--port", str(port), "--config", cfg]
+        if self.decision_log_dir is not None:
+            argv += ["--decisions", str(self.decision_log_dir / f"decisions-{name}.jsonl")]
+        env = {**os.environ, **dynamo_env(name)}
+        env.pop("LD_PRELOAD", None)
+        logf = open(os.path.join(self.tmpdir, f"{name}.log"), "wb")
+        self._procs[name] = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                             start_new_session=True)
+        logf.close()
 
     def _start_sglang_router(self, name: str, policy: str, port: int, urls: tuple[str, ...],
                              nodelay: bool = False, argv: list[str] | None = None) -> None:

@@ -140,10 +140,14 @@ class KvAwareConfig(BaseModel):
         "request on the worker still before its first token (this router's, plus the reported waiting "
         "ones) waits for its new blocks too, so each new block costs "
         "prefill_weight·(1 + cobatch_weight·those requests); 0 prices only the prompt's own wait")
-    # 0.25 (was 1): KV held by decoding requests delays no first token until the pool is near full
-    # (the watermark term prices that); at 1 it too outweighed the prefill queued ahead
+    # 1.0 (0.25 since 2026-12-04, 1 before): KV held by decoding requests delays no first token until
+    # the pool is near full, but every decode step there reads it — the decode load Dynamo's cost
+    # counts block for block with the prefill. Against Dynamo 1.6.1 on the same events (issue 34) the
+    # end-to-end tail was kvroute's open goal; in virtual time 0.25 → 1.0 moved the Mooncake replay's
+    # E2E p99 3,590 → 3,386 ms, TTFT p99 915 → 887, TTFT p50 155 → 160; multi-turn E2E p99
+    # 1,972 → 1,802; shared prefix and no sharing unchanged (2 seeds, bench/results/dynamo.md)
     kv_weight: float = Field(
-        0.25, ge=0, description="cost per KV block held (the report's kv_active_blocks plus this "
+        1.0, ge=0, description="cost per KV block held (the report's kv_active_blocks plus this "
         "router's pending ones) and per new block this prompt allocates")
     # evidence: live_weight is steadier (virtual-time multi-turn TTFT p50 79 → 27 ms at 16 req/s,
     # bench/results/routesim.md)
