@@ -31,7 +31,6 @@ accepted silently, so the test checks the echo).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import itertools
 import json
 import logging
