@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,16 +21,11 @@ import pytest
 dynamo_llm = pytest.importorskip("dynamo.llm", reason="ai-dynamo-runtime (the bench extra) is not installed")
 
 from bench.dynamo_kv import DynamoProxy, build_app, variant_env, worker_record  # noqa: E402
+from tests.conftest import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = 16
 POOL = 12288
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +33,7 @@ def sims():
     """Three simulated workers (time scale 0.2: a 2k-token prefill takes ~25 ms), KV events on."""
     procs, workers = [], []
     for i in range(3):
-        port, kv, replay = _free_port(), _free_port(), _free_port()
+        port, kv, replay = free_port(), free_port(), free_port()
         cfg = {"publisher": "zmq", "topic": "kv-events", "endpoint": f"tcp://127.0.0.1:{kv}", "bind": True,
                "replay_endpoint": f"tcp://127.0.0.1:{replay}"}
         argv = [sys.executable, "-m", "sim", "--port", str(port), "--page-size", str(PAGE), "--time-scale", "0.2",
@@ -80,7 +74,7 @@ async def proxy(sims):
     p = DynamoProxy("dynamo-kv-test", sims, 0.05)
     runner = web.AppRunner(build_app(p))
     await runner.setup()
-    port = _free_port()
+    port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     await asyncio.sleep(0.3)  # the service's SUBs connect to the PUBs
     try:
