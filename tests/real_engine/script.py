@@ -225,7 +225,9 @@ def run(url: str, ob: Observer) -> Transcript:
     c.complete(ids(rng, 30), max_tokens=200)
     time.sleep(0.3)
     ms = [f.body for f in ob.since(m, "metrics")]
-    t.metrics["decode_reports"] = len(ms)
+    # one per 40 decode steps of the engine's *lifetime* (SGLang's counter does not restart per request):
+    # the phase set by earlier traffic makes it 5 or 6 for 200 tokens — what the router relies on is the cadence
+    t.metrics["decode_reports"] = 200 // 40 <= len(ms) <= 200 // 40 + 1
     m = ob.mark()
     time.sleep(2.0)
     t.metrics["idle_after_burst"] = len(ob.since(m))
@@ -239,7 +241,8 @@ def run(url: str, ob: Observer) -> Transcript:
             t.requests += 1
             ev = _sse(r)
         stream_shapes.append((r.status_code, r.headers.get("content-type", "").split(";")[0], ev[-1],
-                              len([e for e in ev if e != "[DONE]" and e.get("choices")]),
+                              # a chunk per token at most (the detokenizer may join two under load: timing)
+                              0 < len([e for e in ev if e != "[DONE]" and e.get("choices")]) <= 5,
                               [e["choices"][0]["finish_reason"] for e in ev if e != "[DONE]" and e.get("choices")][-1],
                               ev[-2]["usage"]["completion_tokens"] if ev[-2].get("usage") else None))
     for i in range(2):

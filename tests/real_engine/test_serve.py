@@ -132,7 +132,10 @@ def test_workers_live_with_kv_metrics_that_agree_with_the_engines_prometheus_and
         while any(t.is_alive() for t in load) and time.monotonic() < t_end:
             for name, w in serve.workers().items():
                 m = w["metrics"]
-                assert w["state"] == "live", w
+                # idle until the load reaches it (SGLang is silent when idle: no probe keeps it live now)
+                assert w["state"] in ("live", "idle"), w
+                if m is None:
+                    continue
                 assert m["kv_total_blocks"] == MAX_TOTAL_TOKENS // PAGE_SIZE and m["request_total_slots"] == MAX_RUNNING
                 shown[name].append((m["request_active_slots"], m["num_requests_waiting"], m["gpu_cache_usage_perc"],
                                     m["kv_active_blocks"]))
@@ -228,9 +231,9 @@ def test_flush_cache_clears_the_index(fleet):
     serve, c, engines = fleet["serve"], fleet["client"], fleet["engines"]
     rng = random.Random(11)
     prompts = {}
-    for _ in range(4):  # cached on both workers (turns on cold prompts)
+    for _ in range(4):  # cached on both workers: placed round-robin (this test is about the index, not the policy)
         p = _words(rng, 200)
-        w, n, _ = _completion(c, p)
+        w, n, _ = _completion(c, p, extra_headers={"x-kvroute-policy": "round_robin"})
         prompts[p] = (w, n)
     assert {w for w, _ in prompts.values()} == {"w1", "w2"}
     for p, (w, n) in prompts.items():
