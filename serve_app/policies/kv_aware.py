@@ -6,10 +6,12 @@ For each routable worker w, in blocks of B = `request.block_tokens` tokens:
     o        = min(overlap[w], P)                            leading blocks w already caches
                                                             (0 if below min_overlap_blocks)
     new      = P − o                                         blocks w must prefill and allocate
+    decoding = max(in_flight − prefilling, running)          requests past their first token there
     prefill  = pending_prefill_blocks + remote_request_blocks·remote_pending
-               + new·(1 + cobatch_weight·(prefilling + waiting))
+               + new·(1 + cobatch_weight·(prefilling + waiting) + stall_weight·decoding)
                                                             every request before its first token there
-                                                            waits for this prompt's prefill too
+                                                            waits for this prompt's prefill too, and
+                                                            every decoding one pauses for it
     held     = kv_active_blocks·page_size/B + pending_kv_blocks      KV blocks w holds already
     kv       = kv_weight·(held + new)
     queued   = waiting + max(0, running + pending + remote_pending + 1 − total_slots)
@@ -50,6 +52,14 @@ with perfect information, a greedy pick's median first token on the Mooncake rep
 that prices the sum 175 ms (`bench/results/routesim-mooncake.md`). The weights are such that the
 prompt-independent terms (KV held, hot set) do not drown the prefill queued ahead: on that traffic
 the median request waits longer for the prompts in its batch than for its own prefill.
+`decoding` prices the same delay for the requests already streaming there (`stall_weight`, off by
+default): SGLang runs a prefill batch instead of a decode step when prompts wait
+(`enable_mixed_chunk` is off by default), so every request decoding on w pauses for this prompt's
+whole prefill — its end-to-end time grows by it, though no first token does. On the Mooncake replay
+the pauses are most of a reply's decode time after its own tokens, for every router (~64 µs per
+prefill token that lands on its worker while it streams; `bench.dump_phases`); pricing them trades
+first-token tails for end-to-end ones (the field's evidence). `running` is the report's (other
+replicas' requests too), `in_flight − prefilling` this replica's own, current ones.
 `recent_finished` counts requests that finished on w within the ledger's follow-up window (an
 older, noisier estimate of the same thing; `followup_weight` is 0 by default).
 
@@ -140,6 +150,15 @@ class KvAwareConfig(BaseModel):
         "request on the worker still before its first token (this router's, plus the reported waiting "
         "ones) waits for its new blocks too, so each new block costs "
         "prefill_weight·(1 + cobatch_weight·those requests); 0 prices only the prompt's own wait")
+    # 0 (off): in virtual time (`bench.routesim --suite standard --workload mooncake --seeds 2 --kv
+    # stall_weight=W`) 0.25 / 0.5 / 1 moved the Mooncake replay at 20 req/s E2E p50 857 → 848 / 845 /
+    # 824 ms and p99 3,386 → 3,305 / 3,354 / 3,279 but TTFT p50 160 → 163 / 168 / 172 and p99
+    # 887 → 918 / 906 / 1,035; at 4 and 10 req/s mixed (bench/results/dynamo.md): a trade, not a win
+    stall_weight: float = Field(
+        0.0, ge=0, description="the pause a prompt causes the requests decoding on the worker: SGLang "
+        "runs its prefill instead of their decode steps, so each new block costs "
+        "prefill_weight·stall_weight more per decoding request (max(in_flight − prefilling, running)); "
+        "0 prices only first-token delays")
     # 1.0 (0.25 since 2026-12-04, 1 before): KV held by decoding requests delays no first token until
     # the pool is near full, but every decode step there reads it — the decode load Dynamo's cost
     # counts block for block with the prefill. Against Dynamo 1.6.1 on the same events (issue 34) the
@@ -173,7 +192,8 @@ class WorkerTerms(NamedTuple):
 
     base: float  # prefill_weight·(pending_prefill_blocks + remote_request_blocks·remote_pending)
     # + kv_weight·kv_held + queued_request_blocks·queued; inf when the worker is down
-    per_new_block: float  # prefill_weight·(1 + cobatch_weight·(prefilling + waiting)) + kv_weight
+    per_new_block: float  # prefill_weight·(1 + cobatch_weight·(prefilling + waiting) + stall_weight·decoding)
+    # + kv_weight
     # + followup_weight·recent_finished
     kv_headroom: float  # kv_high_watermark·total − kv_held (inf: capacity unknown)
     evict_room: float  # room, ≥ 0 (inf: capacity unknown)
@@ -202,7 +222,9 @@ def worker_terms(cfg: KvAwareConfig, w: WorkerView, block_tokens: int) -> Worker
     else:
         headroom, room, capacity = _INF, _INF, 0.0
     down = w.state == "down"
-    per_new_block = cfg.prefill_weight * (1.0 + cfg.cobatch_weight * (w.prefilling + w.waiting)) \
+    decoding = max(w.in_flight - w.prefilling, w.running)
+    per_new_block = cfg.prefill_weight * (1.0 + cfg.cobatch_weight * (w.prefilling + w.waiting)
+                                          + cfg.stall_weight * decoding) \
         + cfg.kv_weight + cfg.followup_weight * w.recent_finished
     return WorkerTerms(_INF if down else base, per_new_block, headroom, room, capacity,
                        float(w.hot_blocks), 0.0 if down else float(w.reused_blocks), w.last_routed_at)

@@ -413,12 +413,29 @@ def test_kv_aware_prices_the_delay_a_prompt_adds_to_the_batch_it_joins():
     assert costs["w0"] - costs["w1"] == pytest.approx(4.0 * (20 - 40) + 4.0 * 100 * (2 - 1))
 
 
+def test_stall_weight_prices_the_pause_of_the_requests_decoding_there():
+    # w0 streams three replies (this router's, past their first token), w1 one reported by the engine
+    ws = [worker("w0", in_flight=3, pending_kv_blocks=10, reused_blocks=1),
+          worker("w1", running=1, kv_active_blocks=30, reused_blocks=1)]
+    r = req(tokens=1600)  # 100 new blocks
+    assert KvAware().choose(r, ws, random.Random(0)).worker == "w0"  # off by default: KV held decides
+    priced = KvAware(KvAwareConfig(stall_weight=1.0))
+    assert priced.choose(r, ws, random.Random(0)).worker == "w1"
+    default, costs = KvAware().costs(r, ws), priced.costs(r, ws)
+    assert costs["w0"] - default["w0"] == pytest.approx(4.0 * 100 * 3)  # prefill_weight · new · decoding
+    assert costs["w1"] - default["w1"] == pytest.approx(4.0 * 100 * 1)  # the report's running count
+    # requests still before their first token are co-batched, not paused: not counted twice
+    ws = [worker("w0", in_flight=3, prefilling=3, reused_blocks=1)]
+    assert priced.costs(r, ws)["w0"] == pytest.approx(KvAware().costs(r, ws)["w0"])
+
+
 def test_kv_aware_docstring_states_the_formula():
     import serve_app.policies.kv_aware as mod
 
     for term in ("prefill_weight", "queued_request_blocks", "kv_high_watermark", "tolerance",
                  "eviction_weight", "hot_blocks", "followup_weight", "recent_finished", "turn_tolerance",
-                 "reused_blocks", "last_routed_at", "cobatch_weight", "prefilling", "kv_weight"):
+                 "reused_blocks", "last_routed_at", "cobatch_weight", "prefilling", "kv_weight", "stall_weight",
+                 "decoding"):
         assert term in mod.__doc__
 
 
@@ -504,7 +521,8 @@ def docstring_cost(w: WorkerView, overlap: int, P: int, B: int, cfg: KvAwareConf
         o = 0
     new = P - o
     prefill = w.pending_prefill_blocks + cfg.remote_request_blocks * w.remote_pending \
-        + new * (1 + cfg.cobatch_weight * (w.prefilling + w.waiting))
+        + new * (1 + cfg.cobatch_weight * (w.prefilling + w.waiting)
+                 + cfg.stall_weight * max(w.in_flight - w.prefilling, w.running))
     held = w.kv_active_blocks * w.page_size / B + w.pending_kv_blocks
     kv = cfg.kv_weight * (held + new)
     queued = w.waiting + (max(0, w.running + w.pending + w.remote_pending + 1 - w.total_slots) if w.total_slots else 0)
@@ -520,7 +538,8 @@ def docstring_cost(w: WorkerView, overlap: int, P: int, B: int, cfg: KvAwareConf
 
 
 @pytest.mark.parametrize("n", [5, 200])
-@pytest.mark.parametrize("cfg", [KvAwareConfig(), KvAwareConfig(kv_weight=0.5, followup_weight=0.3, min_overlap_blocks=4),
+@pytest.mark.parametrize("cfg", [KvAwareConfig(), KvAwareConfig(kv_weight=0.5, followup_weight=0.3, min_overlap_blocks=4,
+                                                               stall_weight=0.5),
                                  KvAwareConfig(normalize_by_capacity=False, live_weight=0.0)])
 def test_kv_aware_costs_are_the_docstring_formula(n, cfg):
     rng = random.Random(n)
