@@ -79,8 +79,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PREFIX_ROUTER_CLASS = (
     "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router.PrefixCacheAffinityRouter"
 )
-# the Serve floors relay streams like kvroute's router does by default (same proxy code, same batching;
-# they read as tokens arrive: kvroute's `stream_batching_hold_reads` is kvroute's own CPU/latency trade)
+# the Serve floors relay streams like kvroute's router does by default (same proxy code, same batching,
+# reading as tokens arrive; kvroute's opt-in `stream_batching_hold_reads` is not used by them)
 STREAM_BATCHING_MS = RouterConfig.model_fields["stream_batching_interval_ms"].default
 STREAM_BATCHING_S = STREAM_BATCHING_MS / 1e3
 KVROUTE_POLICIES = ("round_robin", "power_of_two", "least_loaded", "kv_aware")
