@@ -256,6 +256,10 @@ class Result:
     per_worker: dict[str, int]
     parts: list[dict[str, float]] = field(default_factory=list)  # per measured request, as `ttft`
     served_by: list[str] = field(default_factory=list)  # per measured request, as `ttft`
+    paused: list[float] = field(default_factory=list)  # per measured request: its decode's time in others' prefills
+    outputs: list[int] = field(default_factory=list)  # per measured request: tokens generated
+    prefill_s: float = 0.0  # Σ prefill batch time over the workers (measured or not)
+    paused_s: float = 0.0  # Σ over those batches of their time × requests decoding beside them
     believed: int = 0  # kvroute policies: Σ prompt blocks the ledger counted as cached where they went
     blocks: int = 0  # … of Σ router blocks of those prompts (believed / blocks vs cached / prompt)
 
@@ -277,6 +281,21 @@ class Result:
         out = {k: statistics.mean(self.parts[i].get(k, 0.0) for i in sel) * 1e3 for k in PARTS}
         out["ttft"] = statistics.mean(self.ttft[i] for i in sel) * 1e3
         return out
+
+    def decode_breakdown(self, lo: float = 0.0, hi: float = 1.0) -> dict[str, float]:
+        """Means over the measured requests whose E2E rank is in [lo, hi): e2e, ttft, decode (ms;
+        decode = e2e − ttft), of it `paused` (others' prefill batches run instead of its decode
+        steps) and `steps` (the rest), and `outputs` (tokens)."""
+        order = sorted(range(len(self.e2e)), key=self.e2e.__getitem__)
+        sel = order[int(lo * len(order)):max(int(lo * len(order)) + 1, int(hi * len(order)))]
+
+        def mean(f: Callable[[int], float]) -> float:
+            return statistics.mean(map(f, sel))
+        return {"e2e": mean(self.e2e.__getitem__) * 1e3, "ttft": mean(self.ttft.__getitem__) * 1e3,
+                "decode": mean(lambda i: self.e2e[i] - self.ttft[i]) * 1e3,
+                "paused": mean(self.paused.__getitem__) * 1e3,
+                "steps": mean(lambda i: self.e2e[i] - self.ttft[i] - self.paused[i]) * 1e3,
+                "outputs": mean(self.outputs.__getitem__)}
 
 
 async def _no_aggregator() -> Any:
@@ -363,6 +382,11 @@ def run(workload: str, rate: float, duration_s: float, policy: str, *, seed: int
             parts = info[q.rid]["parts"]
             parts[key] = parts.get(key, 0.0) + now - start
         if batch.kind is BatchKind.PREFILL:
+            res.prefill_s += batch.duration
+            for q in w.engine.running:  # decoding: SGLang runs this prefill instead of their step
+                if q not in batch.reqs and q.rid in info:
+                    info[q.rid]["paused"] = info[q.rid].get("paused", 0.0) + batch.duration
+                    res.paused_s += batch.duration
             for q in batch.reqs:
                 own = cfg.prefill_base_s + (0 if q.prefilled else
                                             cfg.prefill_per_token_s * (len(q.input_ids) - q.cached_tokens))
@@ -473,6 +497,8 @@ def run(workload: str, rate: float, duration_s: float, policy: str, *, seed: int
                 res.ttft.append(r.get("ttft", now - r["sent"]))
                 res.parts.append(r["parts"])
                 res.served_by.append(r["worker"])
+                res.paused.append(r.get("paused", 0.0))
+                res.outputs.append(len(r["out"]))
                 res.e2e.append(now - r["sent"])
                 res.last_end = max(res.last_end, now)
                 res.prompt += r["n_prompt"]
@@ -532,6 +558,7 @@ def main() -> int:
     print("| policy | workload | rate | req/s | TTFT p50 ms | p99 ms | E2E p50 ms | p99 ms | hit % | spread |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     parts: list[str] = []
+    decode: list[str] = []
     for wl, rate, params, engine in cells:
         for pol in ns.policies.split(","):
             t0 = time.perf_counter()
@@ -549,6 +576,13 @@ def main() -> int:
                 b = [r.breakdown(lo, hi) for r in res]
                 parts.append(f"| {pol} | {wl} | {rate:g} | {band} | {statistics.mean(x['ttft'] for x in b):.0f} | "
                              + " | ".join(f"{statistics.mean(x[k] for x in b):.0f}" for k in PARTS) + " |")
+            for band, lo, hi in (("p40-p60", 0.4, 0.6), ("≥ p90", 0.9, 1.0), ("≥ p99", 0.99, 1.0)):
+                d = [r.decode_breakdown(lo, hi) for r in res]
+                decode.append(f"| {pol} | {wl} | {rate:g} | {band} | "
+                              + " | ".join(f"{statistics.mean(x[k] for x in d):.0f}"
+                                           for k in ("e2e", "ttft", "decode", "paused", "steps", "outputs"))
+                              + (f" | {sum(r.paused_s for r in res) / max(1e-9, sum(r.prefill_s for r in res)):.2f} |"
+                                 if band == "p40-p60" else " | |"))
             sys.stdout.flush()
     if ns.breakdown:
         print("\nWhere the time to first token went (mean ms over the requests of the band; `PARTS` in "
@@ -556,6 +590,12 @@ def main() -> int:
         print("| policy | workload | rate | band | TTFT | " + " | ".join(PARTS) + " |")
         print("|---|---|---:|---|---:|" + "---:|" * len(PARTS))
         print("\n".join(parts))
+        print("\nWhere the decode went (mean over the requests of the band by E2E rank; paused: others' prefill "
+              "batches run instead of its decode steps; beside: requests decoding beside a prefill batch, "
+              "time-weighted, every worker):\n")
+        print("| policy | workload | rate | E2E band | E2E | TTFT | decode | paused | steps | outputs | beside |")
+        print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+        print("\n".join(decode))
     return 0
 
 

@@ -140,3 +140,19 @@ def test_on_the_mooncake_replay_the_router_charges_prefill_for_what_the_engines_
 
     assert charged_over_hit() < 1.5
     assert charged_over_hit(cache_share=0) > 2.5  # the old index (ttl only): this test would have caught it
+
+
+def test_the_decode_breakdown_splits_each_requests_decode_into_pauses_and_steps():
+    """decode = E2E − TTFT is the time of others' prefill batches run instead of its steps
+    (`paused`) plus its own decode steps, which cost at least the step's launch each."""
+    res = run("mooncake", 20, 6.0, "round_robin", warmup_s=1.0)
+    cfg = EngineConfig()
+    assert res.requests > 50 and len(res.paused) == len(res.outputs) == res.requests
+    for ttft, e2e, paused, out in zip(res.ttft, res.e2e, res.paused, res.outputs):
+        steps = e2e - ttft - paused
+        assert paused >= 0 and steps >= (out - 1) * cfg.decode_base_s - 1e-9
+    assert sum(res.paused) <= res.paused_s + 1e-9  # the measured ones' share of every pause
+    assert 0 < res.paused_s
+    tail, mid = res.decode_breakdown(0.9, 1.0), res.decode_breakdown(0.4, 0.6)
+    assert tail["e2e"] > mid["e2e"]
+    assert tail["decode"] == pytest.approx(tail["paused"] + tail["steps"])
