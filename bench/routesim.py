@@ -276,8 +276,7 @@ class Result:
 
     def breakdown(self, lo: float = 0.0, hi: float = 1.0) -> dict[str, float]:
         """Mean of each of `PARTS` (ms) over the measured requests whose TTFT rank is in [lo, hi)."""
-        order = sorted(range(len(self.ttft)), key=self.ttft.__getitem__)
-        sel = order[int(lo * len(order)):max(int(lo * len(order)) + 1, int(hi * len(order)))]
+        sel = _band(self.ttft, lo, hi)
         out = {k: statistics.mean(self.parts[i].get(k, 0.0) for i in sel) * 1e3 for k in PARTS}
         out["ttft"] = statistics.mean(self.ttft[i] for i in sel) * 1e3
         return out
@@ -286,8 +285,7 @@ class Result:
         """Means over the measured requests whose E2E rank is in [lo, hi): e2e, ttft, decode (ms;
         decode = e2e − ttft), of it `paused` (others' prefill batches run instead of its decode
         steps) and `steps` (the rest), and `outputs` (tokens)."""
-        order = sorted(range(len(self.e2e)), key=self.e2e.__getitem__)
-        sel = order[int(lo * len(order)):max(int(lo * len(order)) + 1, int(hi * len(order)))]
+        sel = _band(self.e2e, lo, hi)
 
         def mean(f: Callable[[int], float]) -> float:
             return statistics.mean(map(f, sel))
@@ -296,6 +294,12 @@ class Result:
                 "paused": mean(self.paused.__getitem__) * 1e3,
                 "steps": mean(lambda i: self.e2e[i] - self.ttft[i] - self.paused[i]) * 1e3,
                 "outputs": mean(self.outputs.__getitem__)}
+
+
+def _band(values: list[float], lo: float, hi: float) -> list[int]:
+    """Indices of `values` whose rank is in [lo, hi) (at least one)."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    return order[int(lo * len(order)):max(int(lo * len(order)) + 1, int(hi * len(order)))]
 
 
 async def _no_aggregator() -> Any:

@@ -152,7 +152,7 @@ def test_the_decode_breakdown_splits_each_requests_decode_into_pauses_and_steps(
         steps = e2e - ttft - paused
         assert paused >= 0 and steps >= (out - 1) * cfg.decode_base_s - 1e-9
     assert sum(res.paused) <= res.paused_s + 1e-9  # the measured ones' share of every pause
-    assert 0 < res.paused_s
+    assert 0 < sum(res.paused) < res.prefill_s * max(res.per_worker.values())
     tail, mid = res.decode_breakdown(0.9, 1.0), res.decode_breakdown(0.4, 0.6)
     assert tail["e2e"] > mid["e2e"]
-    assert tail["decode"] == pytest.approx(tail["paused"] + tail["steps"])
+    assert tail["paused"] > mid["paused"]  # on this trace the slowest replies are the most paused
