@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.targets import free_port
+from actors.ports import free_port
 
 
 def _has_text(event: bytes) -> bool:

@@ -54,6 +54,8 @@ from typing import Any, AsyncIterator
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from actors.ports import free_port
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
@@ -265,12 +267,6 @@ def _dynamo_version() -> str:
 
 
 # ------------------------------------------------------------------ the fleet and every router
-
-
-def free_port() -> int:
-    from actors.worker.launcher import free_port as fp  # outside the ephemeral range (see there)
-
-    return fp()
 
 
 @dataclass

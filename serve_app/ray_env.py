@@ -28,9 +28,9 @@ on a cluster Ray's defaults apply (open them only inside the cluster).
 from __future__ import annotations
 
 import os
-import random
-import socket
 from typing import MutableMapping
+
+from actors.ports import HAPROXY_PORTS, free_port
 
 # gRPC refuses a message above this size; the proxy → replica message carries the request's headers
 # (uvicorn bounds none; the router answers 431 above `max_header_bytes`) and bodies up to
@@ -80,27 +80,6 @@ LOCAL_PORT_ENV = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_POR
 _PORTS_PICKED = "KVROUTE_HAPROXY_PORTS_PICKED"  # marks ports kvroute chose (a child Ray picks its own)
 
 
-# HAProxy's stats/metrics ports for a local Ray are picked here, outside the kernel's ephemeral
-# range (32768-60999 by default): a port-0 bind anywhere — Ray's gRPC servers, the metrics plane's
-# sockets, a test's listener — can otherwise take a picked port before HAProxy binds it
-# ("Address already in use", and Serve's ingress fails to start). Below the replicas' 28000.
-LOCAL_PORT_RANGE = (20000, 27999)
-
-
-def _free_port(rng: random.Random | None = None) -> int:
-    rng = rng or random.Random()
-    lo, hi = LOCAL_PORT_RANGE
-    for _ in range(200):
-        port = rng.randint(lo, hi)
-        with socket.socket() as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {lo}-{hi} for HAProxy's stats/metrics listeners")
-
-
 def apply_serve_env(environ: MutableMapping[str, str] = os.environ, *, local: bool = True) -> dict[str, str]:
     """Set kvroute's Serve transport in `environ` where not already set (call before a local
     `ray.init`: Ray's processes inherit it). With `local`, also free HAProxy stats/metrics ports
@@ -112,6 +91,6 @@ def apply_serve_env(environ: MutableMapping[str, str] = os.environ, *, local: bo
             environ.setdefault(k, v)
     if local and (environ.get(_PORTS_PICKED) == "1" or not any(k in environ for k in LOCAL_PORT_ENV)):
         for k in LOCAL_PORT_ENV:
-            environ[k] = str(_free_port())
+            environ[k] = str(free_port("", port_range=HAPROXY_PORTS))
         environ[_PORTS_PICKED] = "1"
     return {k: environ[k] for k in SERVE_ENV}

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,17 +19,11 @@ from typing import IO, Any
 
 import httpx
 
+from actors.ports import free_port  # re-exported: outside the ephemeral range (see there)
 from sim.config import SimConfig
 from sim.server import serve
 
 __all__ = ["SimProcess", "free_port", "serve", "sim_argv"]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on `host` (bind to 0, read, release)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def sim_argv(config: SimConfig) -> list[str]:

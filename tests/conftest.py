@@ -8,9 +8,10 @@ fast lane and `pytest` the whole suite.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
+
+from actors.ports import free_port  # noqa: F401  (the tests' port picker)
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -24,12 +25,6 @@ def pytest_collection_modifyitems(config, items):
         parts = item.path.relative_to(config.rootpath).parts
         if len(parts) > 1 and parts[0] == "tests" and parts[1] in _RAY_DIRS:
             item.add_marker(pytest.mark.ray)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

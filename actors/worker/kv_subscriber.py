@@ -34,6 +34,7 @@ from actors.wire.kv_handshake import (
 )
 from actors.worker.kv_log import KvLog
 from actors.models import Settings
+from actors.ports import free_port
 from actors.protocol import (
     KvEventsCounters,
     KvEventsStatus,
@@ -110,8 +111,6 @@ class KvSubscriber:
         self._sock = sock
         try:
             if endpoint == "auto":  # we bind a port, the engine connects to it
-                from actors.worker.launcher import free_port
-
                 endpoint = f"tcp://{host}:{_bind_ranks(sock, host, ranks)}"  # rank r publishes on base + r
                 # a connecting PUB loses what it sends before our subscription reached it (libzmq applies
                 # it at the first send, so batch 0 is always lost): the engine's replay ROUTER, which

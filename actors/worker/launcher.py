@@ -14,9 +14,7 @@ import ctypes
 import json
 import logging
 import os
-import random
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -26,6 +24,7 @@ from typing import Any, Callable
 import httpx
 
 from actors.fleet import WorkerSpec
+from actors.ports import free_port
 from actors.protocol import ManagedEngine
 
 logger = logging.getLogger("kvroute.launcher")
@@ -36,35 +35,6 @@ _SOURCE_ROOT = str(Path(__file__).resolve().parents[2])  # holds actors/ (actors
 
 class LaunchError(RuntimeError):
     """The engine process could not be started or never became healthy."""
-
-
-# Ports for managed engines (HTTP) and the KV-event sockets kvroute places, picked outside the
-# kernel's ephemeral range (32768-60999 by default): a port-0 pick there can be taken as the source
-# port of any outgoing connection (Ray's gRPC clients open many at start) before the engine binds
-# it — the engine then fails with "address already in use" on every restart. Below the HAProxy
-# (20000-27999) and Serve direct-ingress (28000-29999) ranges of serve_app.ray_env.
-PORT_RANGE = (12000, 19999)
-
-
-def free_port(host: str = "127.0.0.1", rng: random.Random | None = None, count: int = 1) -> int:
-    """A TCP port in `PORT_RANGE` that was free on `host` a moment ago — with `count` > 1, the first of
-    `count` consecutive ones (SGLang offsets a DP rank's ports by its rank)."""
-    rng = rng or random.Random()
-    lo, hi = PORT_RANGE
-    for _ in range(200):
-        port = rng.randint(lo, hi - count + 1)
-        if all(_bindable(host, port + k) for k in range(count)):
-            return port
-    raise LaunchError(f"no {count} consecutive free port(s) on {host} in {lo}-{hi}")
-
-
-def _bindable(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-        return True
 
 
 def _flags(args: dict[str, Any]) -> list[str]:

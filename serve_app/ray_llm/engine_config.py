@@ -49,7 +49,7 @@ def sglang_metrics_kwargs(engine_kwargs: dict[str, Any], kv_events_config: dict[
                              "needs the engine's KV events for kvroute's KV log: remove one of the two")
         out["kv_events_config"] = json.dumps(kv_events_config)
     elif out.get("kv_events_config") is None:
-        from actors.worker.launcher import free_port
+        from actors.ports import free_port
 
         # no subscriber: SGLang's PUB connects to a free port nobody listens on (as for managed engines)
         out["kv_events_config"] = json.dumps(

@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from actors.worker.kv_subscriber import _bind_ranks
-from actors.worker.launcher import free_port
+from actors.ports import free_port
 
 
 class ScriptedBase:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,18 +20,14 @@ from pathlib import Path
 
 import httpx
 
+from actors.ports import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 CPU_KERNELS = Path(__file__).resolve().parent / "cpu_kernels"
 PAGE_SIZE = 16
 MAX_TOTAL_TOKENS = 8192
 MAX_RUNNING = 8
 STARTUP_TIMEOUT_S = 300.0  # 20-35 s on a quiet 2-core machine; minutes when it is shared
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def engine_env(metrics_ipc: str, extra: dict[str, str] | None = None) -> dict[str, str]:

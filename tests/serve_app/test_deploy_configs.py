@@ -407,10 +407,10 @@ def test_a_local_ray_gets_its_own_haproxy_ports_and_a_short_drain():
     env: dict[str, str] = {}
     apply_serve_env(env)
     first = {k: env[k] for k in LOCAL_PORT_ENV}
-    from serve_app.ray_env import LOCAL_PORT_RANGE
+    from actors.ports import HAPROXY_PORTS
 
     # outside the kernel's ephemeral range, where a port-0 bind could take a picked port first
-    assert all(LOCAL_PORT_RANGE[0] <= int(v) <= LOCAL_PORT_RANGE[1] for v in first.values())
+    assert all(HAPROXY_PORTS[0] <= int(v) <= HAPROXY_PORTS[1] for v in first.values())
     assert all(env[k] == v for k, v in LOCAL_ENV.items())
     # a child that inherited kvroute's picks (a demo started from a test session) picks again
     child = dict(env)
