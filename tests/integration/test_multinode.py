@@ -11,6 +11,8 @@ import pytest
 
 from tests.conftest import free_port
 
+pytestmark = pytest.mark.multinode
+
 
 @pytest.fixture(scope="module")
 def result():
