@@ -1,5 +1,5 @@
 """Pool the measured requests of several `bench.run` results (same suite, different seeds or hours)
-and give kv_aware's TTFT ratios against every other target with bootstrap intervals.
+and give kv_aware's TTFT and end-to-end ratios against every other target with bootstrap intervals.
 
     python -m bench.pool_runs bench/results/pd-30s.json bench/results/pd-30s-2.json
 
@@ -40,16 +40,16 @@ def main(argv: list[str] | None = None) -> int:
         p99 = bootstrap_ci(subject["ttft"], 99)
         print(f"\n{workload} @ {rate:g} req/s: {ns.subject} {subject['reps']} repetitions, {len(subject['ttft'])} "
               f"requests, TTFT p99 {p99[0]:,.0f} ms, {subject['rps']:.2f} req/s")
-        print("| target | requests | TTFT p99 ms | p99 ratio [95 % CI] | p50 ratio [95 % CI] | throughput ratio |")
-        print("|---|---:|---:|---:|---:|---:|")
+        print("| target | requests | TTFT p99 ms | TTFT p99 ratio [95 % CI] | TTFT p50 ratio | E2E p99 ratio | "
+              "E2E p50 ratio | throughput ratio |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for (w, r, target), g in sorted(groups.items()):
             if (w, r) != (workload, rate) or target == ns.subject:
                 continue
-            q99, q50 = ratio_ci(subject["ttft"], g["ttft"], 99), ratio_ci(subject["ttft"], g["ttft"], 50)
-            print(f"| {target} | {len(g['ttft'])} | {bootstrap_ci(g['ttft'], 99)[0]:,.0f} | "
-                  f"{q99[0]:.2f} [{q99[1]:.2f}, {q99[2]:.2f}] | {q50[0]:.2f} [{q50[1]:.2f}, {q50[2]:.2f}] | "
-                  f"{subject['rps'] / g['rps']:.2f} |")
-        print(f"\nper repetition ({ns.subject}'s TTFT p50 / p99 ÷ each target's):")
+            ratios = [_ratio(subject[m], g[m], q) for m in ("ttft", "e2e") for q in (99, 50)]
+            print(f"| {target} | {len(g['ttft'])} | {bootstrap_ci(g['ttft'], 99)[0]:,.0f} | " + " | ".join(ratios)
+                  + f" | {subject['rps'] / g['rps']:.2f} |")
+        print(f"\nper repetition ({ns.subject}'s TTFT p50 / p99, E2E p50 / p99 ÷ each target's):")
         for name, doc in runs:
             for rep in sorted({t["rep"] for t in doc["trials"]}):
                 cell = {t["target"]: t["summary"] for t in doc["trials"]
@@ -57,10 +57,22 @@ def main(argv: list[str] | None = None) -> int:
                 s = cell.get(ns.subject)
                 if s is None:
                     continue
-                parts = [f"{t} {s['ttft_p50_ms'] / o['ttft_p50_ms']:.2f} / {s['ttft_p99_ms'] / o['ttft_p99_ms']:.2f}"
+                parts = [f"{t} " + " / ".join(_div(s, o, k) for k in ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms",
+                                                                        "e2e_p99_ms"))
                          for t, o in sorted(cell.items()) if t != ns.subject]
                 print(f"- {name} rep {rep} (other jobs {s.get('foreign_cores', 0):.2f} cores): " + "; ".join(parts))
     return 0
+
+
+def _div(s: dict, o: dict, key: str) -> str:
+    a, b = s.get(key), o.get(key)
+    return "—" if not a or not b else f"{a / b:.2f}"
+
+
+def _ratio(num: list[float], den: list[float], q: float) -> str:
+    """percentile_q(num) / percentile_q(den) [95 % CI], or — when either side has too few values."""
+    r = ratio_ci(num, den, q)
+    return "—" if r is None else f"{r[0]:.2f} [{r[1]:.2f}, {r[2]:.2f}]"
 
 
 if __name__ == "__main__":
