@@ -1,5 +1,8 @@
-"""Latency kvroute's path adds to one reply on an idle fleet: the same simulated worker asked
-directly and through `kvroute serve` (HAProxy → router replica → worker), one request at a time.
+"""Latency kvroute's path adds to one reply: the same simulated worker asked directly and through
+`kvroute serve` (HAProxy → router replica → worker), one measured request at a time — on an idle
+fleet, or with `--background RATE` beside an open-loop stream of other requests through the router
+(Poisson arrivals, 200-word prompts, 32-token replies), so the replica, HAProxy and the sim are busy
+as in a benchmark trial while the pairs are measured (the sim serves both paths alike).
 
 One sim (`python -m sim`) and one `kvroute serve` (its own local Ray) are started as child
 processes, the fleet one attached worker. For each reply length the two paths alternate request
@@ -7,7 +10,7 @@ by request; per path the client's first-token time (the first body read that car
 end time and reads per reply, medians, and the median of the per-pair differences (routed −
 direct) with a 95 % bootstrap interval. Nothing is asserted; run it on a quiet machine:
 
-    python -m bench.hop [--tokens 1,16,64] [--pairs 40] [--router KEY=JSON ...]
+    python -m bench.hop [--tokens 1,16,64] [--pairs 40] [--background 20] [--router KEY=JSON ...]
 """
 
 from __future__ import annotations
@@ -65,7 +68,32 @@ def _ci(diffs: list[float], rng: random.Random, n: int = 2000) -> tuple[float, f
     return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
 
 
-async def _measure(direct: str, routed: str, tokens: list[int], pairs: int) -> str:
+async def _background(url: str, model: str, rate: float, stop: asyncio.Event, done: list[int]) -> None:
+    """Open-loop load through `url` at `rate` req/s until `stop` (its replies are not measured)."""
+    rng = random.Random(1)
+    tasks: set[asyncio.Task] = set()
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=256)) as c:
+        async def one(k: int) -> None:
+            body = {"model": model, "messages": [{"role": "user", "content": f"bg {k} " + "word " * 200}],
+                    "max_tokens": 32, "stream": True, "ignore_eos": True}
+            async with c.stream("POST", url, json=body) as r:
+                async for _ in r.aiter_raw():
+                    pass
+            done[0] += 1
+        k = 0
+        while not stop.is_set():
+            t = asyncio.create_task(one(k))
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
+            k += 1
+            try:
+                await asyncio.wait_for(stop.wait(), rng.expovariate(rate))
+            except asyncio.TimeoutError:
+                pass
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _measure(direct: str, routed: str, tokens: list[int], pairs: int, background: float = 0.0) -> str:
     rng = random.Random(0)
     lines = ["| reply tokens | path | first token p50 ms | end p50 ms | reads / reply | routed − direct, end: median [95 % CI] ms |",
              "|---:|---|---:|---:|---:|---:|"]
@@ -74,6 +102,12 @@ async def _measure(direct: str, routed: str, tokens: list[int], pairs: int) -> s
         for base in (direct, routed):  # warm both paths (connections, caches)
             for k in range(5):
                 await _one(c, base + "/v1/chat/completions", model, 4, -k)
+        stop, bg_done = asyncio.Event(), [0]
+        bg = asyncio.create_task(_background(routed + "/v1/chat/completions", model, background, stop, bg_done)) \
+            if background > 0 else None
+        if bg is not None:
+            await asyncio.sleep(3.0)  # let the background load settle
+        t_bg = time.perf_counter()
         for n in tokens:
             res: dict[str, list[tuple[float, float, int]]] = {"direct": [], "kvroute": []}
             for k in range(pairs):
@@ -89,6 +123,12 @@ async def _measure(direct: str, routed: str, tokens: list[int], pairs: int) -> s
                 tail = f"{statistics.median(diffs):.1f} [{lo:.1f}, {hi:.1f}]" if name == "kvroute" else ""
                 lines.append(f"| {n} | {name} | {statistics.median(r[0] for r in rows):.1f} | "
                              f"{statistics.median(r[1] for r in rows):.1f} | {statistics.median(r[2] for r in rows):.0f} | {tail} |")
+        if bg is not None:
+            span = time.perf_counter() - t_bg
+            stop.set()
+            await bg
+            lines.append(f"\nbackground: {bg_done[0]} requests through the router at {background:g} req/s offered "
+                         f"({bg_done[0] / span:.1f} req/s completed during the {span:.0f} s of measurement and drain)")
     return "\n".join(lines)
 
 
@@ -113,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--router", action="append", default=[], metavar="KEY=JSON",
                     help="a router setting for `kvroute serve` (the fleet file's router: section), "
                     "e.g. --router stream_batching_hold_reads=false")
+    ap.add_argument("--background", type=float, default=0.0, metavar="RATE",
+                    help="open-loop requests per second through the router meanwhile (0: idle fleet)")
     ns = ap.parse_args(argv)
     router = {}
     for item in ns.router:
@@ -140,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
               lambda r: r.status_code == 200 and any(w.get("healthy") for w in r.json().get("workers", [])))
         tokens = [int(t) for t in ns.tokens.split(",")]
         print(f"router settings: {router or 'defaults'}; load average at start: {os.getloadavg()[0]:.2f}")
-        print(asyncio.run(_measure(direct, routed, tokens, ns.pairs)))
+        print(asyncio.run(_measure(direct, routed, tokens, ns.pairs, ns.background)))
         print(f"load average at end: {os.getloadavg()[0]:.2f}")
     finally:
         for p in reversed(procs):
