@@ -8,7 +8,7 @@ import json
 import httpx
 from aiohttp import web
 
-from bench.hop import _has_text, _one
+from bench.hop import _background, _has_text, _one
 
 
 def _event(delta: dict | None, usage: bool = False) -> bytes:
@@ -54,3 +54,35 @@ async def test_role_and_first_token_in_one_read_is_the_first_token_even_split_ac
     assert first < 200, first  # not the later token 300 ms on
     assert end >= 300, end
     assert reads >= 2
+
+
+async def test_background_load_is_open_loop_and_every_stream_is_read_to_its_end():
+    seen: list[dict] = []
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        seen.append(await request.json())
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await asyncio.sleep(0.2)  # slower than the arrivals: requests overlap (not closed loop)
+        await resp.write(_event({"content": "a"}) + b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", stream)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    stop, done = asyncio.Event(), [0]
+    try:
+        task = asyncio.create_task(_background(f"http://127.0.0.1:{port}/v1/chat/completions", "m", 50.0, stop, done))
+        await asyncio.sleep(1.0)
+        stop.set()
+        await asyncio.wait_for(task, 5)
+    finally:
+        await runner.cleanup()
+    assert 20 <= len(seen) <= 100, len(seen)  # ~50 at 50 req/s for 1 s, whatever each one takes
+    assert done[0] == len(seen)  # every stream was read to its end before it returned
+    assert all(b["stream"] and b["max_tokens"] == 32 and b["model"] == "m" for b in seen)
