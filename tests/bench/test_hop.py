@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from typing import AsyncIterator
 
 import httpx
 from aiohttp import web
@@ -16,6 +18,22 @@ def _event(delta: dict | None, usage: bool = False) -> bytes:
     if usage:
         body["usage"] = {"prompt_tokens": 3, "completion_tokens": 2}
     return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+@contextlib.asynccontextmanager
+async def _serving(handler) -> AsyncIterator[str]:
+    """`handler` as POST /v1/chat/completions on a loopback port; yields its URL."""
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}/v1/chat/completions"
+    finally:
+        await runner.cleanup()
 
 
 def test_only_events_with_generated_text_count():
@@ -39,18 +57,9 @@ async def test_role_and_first_token_in_one_read_is_the_first_token_even_split_ac
         await resp.write_eof()
         return resp
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", stream)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
+    async with _serving(stream) as url:
         async with httpx.AsyncClient(timeout=10) as c:
-            first, end, reads = await _one(c, f"http://127.0.0.1:{port}/v1/chat/completions", "m", 2, 0)
-    finally:
-        await runner.cleanup()
+            first, end, reads = await _one(c, url, "m", 2, 0)
     assert first < 200, first  # not the later token 300 ms on
     assert end >= 300, end
     assert reads >= 2
@@ -68,21 +77,12 @@ async def test_background_load_is_open_loop_and_every_stream_is_read_to_its_end(
         await resp.write_eof()
         return resp
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", stream)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     stop, done = asyncio.Event(), [0]
-    try:
-        task = asyncio.create_task(_background(f"http://127.0.0.1:{port}/v1/chat/completions", "m", 50.0, stop, done))
+    async with _serving(stream) as url:
+        task = asyncio.create_task(_background(url, "m", 50.0, stop, done))
         await asyncio.sleep(1.0)
         stop.set()
         await asyncio.wait_for(task, 5)
-    finally:
-        await runner.cleanup()
     assert 20 <= len(seen) <= 100, len(seen)  # ~50 at 50 req/s for 1 s, whatever each one takes
     assert done[0] == len(seen)  # every stream was read to its end before it returned
     assert all(b["stream"] and b["max_tokens"] == 32 and b["model"] == "m" for b in seen)
